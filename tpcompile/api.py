@@ -1,0 +1,174 @@
+"""shard() and ShardedModel: the public entry point and what it returns."""
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+
+from tpcompile.capture import capture
+from tpcompile.errors import TPCompileError
+from tpcompile.passes.annotate import annotate_pass
+from tpcompile.passes.context import PLAN_VALUES, PassContext, module_path, owner_path
+from tpcompile.passes.propagate import propagate_pass
+from tpcompile.passes.rewrite import local_tensor, rewrite_pass
+from tpcompile.passes.verify import collective_signature, verify_pass, verify_rank
+
+FORWARD_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_gather_replicated")
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    """What one parameter became: its split, and its global and per-rank shapes."""
+
+    name: str
+    role: str  # column | row | vocab | replicated
+    dim: Optional[int]
+    segments: Optional[tuple[int, ...]]
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+
+
+@dataclass
+class Plan:
+    """Every decision: per weight-owning module its role, per parameter its split."""
+
+    world_size: int
+    modules: dict[str, str] = field(default_factory=dict)
+    parameters: dict[str, ParamPlan] = field(default_factory=dict)
+    replicated: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def __getitem__(self, module: str) -> str:
+        return self.modules[module]
+
+
+class ShardedModel:
+    """One torch.fx GraphModule per rank, built on first use, plus the plan behind them."""
+
+    def __init__(self, captured: GraphModule, ctx: PassContext, model_name: str) -> None:
+        self.captured = captured
+        self.world_size = ctx.world_size
+        self.model_name = model_name
+        self._ctx = ctx
+        self._ranks: dict[int, GraphModule] = {}
+        self._reference: Optional[list] = None
+        self.plan = _make_plan(captured, ctx)
+
+    def rank(self, r: int) -> GraphModule:
+        """Rank r's GraphModule: the model's arguments in, the model's output structure out."""
+        if not isinstance(r, int) or not 0 <= r < self.world_size:
+            raise TPCompileError(f"rank {r!r} is out of range for world size {self.world_size}")
+        if r not in self._ranks:
+            gm = rewrite_pass(self.captured, self._ctx, r)  # rewrite: this rank's graph
+            if self._reference is None:
+                self._reference = collective_signature(gm)
+            verify_rank(gm, self._reference, r)  # verify: same collectives as every rank
+            self._ranks[r] = gm
+        return self._ranks[r]
+
+    def __getitem__(self, r: int) -> GraphModule:
+        return self.rank(r)
+
+    def __len__(self) -> int:
+        return self.world_size
+
+    def __iter__(self) -> Iterator[GraphModule]:
+        return (self.rank(r) for r in range(self.world_size))
+
+    def collectives(self, *, forward_only: bool = True) -> list[tuple[str, str]]:
+        """(op, module path) of each collective node in a rank's graph, in order."""
+        out = []
+        for n in self.rank(0).graph.nodes:
+            if n.op == "call_function" and getattr(n.target, "namespace", None) == "tpcompile":
+                op = n.target._opname
+                if op in FORWARD_COLLECTIVES or not forward_only:
+                    out.append((op, module_path(n)))
+        return out
+
+    def summary(self) -> str:
+        """A readable table of the plan, bytes per rank and the forward collectives."""
+        p = self.plan
+        rows = [f"tpcompile plan for {self.model_name} at world size {self.world_size}", ""]
+        width = max([len(k) for k in p.parameters] + [9])
+        rows.append(f"{'parameter':<{width}}  {'split':<18} {'global':<14} {'per rank':<14}")
+        for name, pp in p.parameters.items():
+            split = pp.role if pp.dim is None else f"{pp.role}@{pp.dim}"
+            split += "" if not pp.segments else f" {'|'.join(map(str, pp.segments))}"
+            rows.append(f"{name:<{width}}  {split:<18} {str(list(pp.global_shape)):<14} {str(list(pp.local_shape)):<14}")
+        total = sum(math.prod(pp.global_shape) for pp in p.parameters.values())
+        local = sum(math.prod(pp.local_shape) for pp in p.parameters.values())
+        rows += ["", f"parameters per rank: {local:,} of {total:,} ({100.0 * local / max(total, 1):.1f}%)"]
+        counts: dict[str, int] = {}
+        for op, _ in self.collectives():
+            counts[op] = counts.get(op, 0) + 1
+        rows.append("forward collectives per rank: " + (", ".join(f"{v} {k}" for k, v in counts.items()) or "none"))
+        for why in p.warnings:
+            rows.append(f"warning: {why}")
+        return "\n".join(rows)
+
+    def __repr__(self) -> str:
+        return f"ShardedModel({self.model_name}, world_size={self.world_size})"
+
+
+def _make_plan(gm: GraphModule, ctx: PassContext) -> Plan:
+    plan = Plan(ctx.world_size, warnings=list(ctx.warnings))
+    for node in gm.graph.nodes:
+        layout = node.meta.get("tp_layout")
+        spec = node.meta.get("tp_rule")
+        if layout is None or spec is None or spec.rule not in ("weight_matmul", "embedding"):
+            continue
+        w = node.args[spec.get("weight", 0)] if spec.rule == "weight_matmul" else node.args[0]
+        if getattr(w, "op", None) == "get_attr":
+            role = layout.role if layout.role in ("column", "row", "vocab") else "replicated"
+            plan.modules[owner_path(w.target)] = role
+    for seed, why in ctx.demoted.items():
+        w = seed.args[seed.meta["tp_rule"].get("weight", 0)]
+        if getattr(w, "op", None) == "get_attr":
+            plan.replicated[owner_path(w.target)] = why
+    seen: set[int] = set()
+    for name, t in ctx.tensors.items():
+        if not isinstance(t, nn.Parameter) or id(t) in seen:
+            continue
+        seen.add(id(t))
+        sl = ctx.slice_for(name)
+        role = plan.modules.get(owner_path(name), "replicated") if sl is not None else "replicated"
+        local = tuple(local_tensor(torch.empty(t.shape, device="meta"), sl, 0, ctx.world_size).shape)
+        plan.parameters[name] = ParamPlan(name, role, None if sl is None else sl.dim,
+                                          None if sl is None else sl.segments, tuple(t.shape), local)
+    return plan
+
+
+def _check_plan(plan: Optional[dict], paths: set[str]) -> dict[str, str]:
+    if plan is None:
+        return {}
+    if not isinstance(plan, dict):
+        raise TPCompileError(f"plan must be a dict of module path -> one of {PLAN_VALUES}, got {type(plan).__name__}")
+    for key, value in plan.items():
+        if key not in paths:
+            close = difflib.get_close_matches(str(key), sorted(paths), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise TPCompileError(f"plan names module {key!r}, which the model does not have{hint}")
+        if value not in PLAN_VALUES:
+            raise TPCompileError(f"plan[{key!r}] = {value!r}; use one of {', '.join(PLAN_VALUES)}")
+    return dict(plan)
+
+
+def shard(model: nn.Module, world_size: int, *, example_inputs: Any = (), example_kwargs: Optional[dict] = None,
+          dynamic_shapes: Any = None, plan: Optional[dict] = None, group: str = "default",
+          sequence_parallel: bool = False) -> ShardedModel:
+    """Split `model` over `world_size` ranks; returns one GraphModule per rank and the plan."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise TPCompileError(f"world_size must be an int >= 1, got {world_size!r}")
+    if sequence_parallel:
+        raise TPCompileError("sequence_parallel=True is not available yet; shard without it")
+    cap = capture(model, example_inputs, example_kwargs, dynamic_shapes)  # capture: torch.export
+    ctx = PassContext(world_size, group=group, plan=_check_plan(plan, cap.module_paths))
+    gm = annotate_pass(cap.gm, ctx)  # annotate: rule per op, fused-projection segments
+    gm = propagate_pass(gm, ctx)  # propagate: placements, column/row/vocab roles
+    gm = verify_pass(gm, ctx)  # verify: parameter slices tile each parameter
+    return ShardedModel(gm, ctx, cap.model_name)

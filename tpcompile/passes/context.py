@@ -1,0 +1,64 @@
+"""State shared by the passes of one shard() call."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch.fx import Node
+
+from tpcompile.sharding_rules.context import ParamSlice
+
+PLAN_VALUES = ("auto", "replicate", "sharded_output")
+
+
+@dataclass
+class PassContext:
+    """World size, user choices, and what the passes decided."""
+
+    world_size: int
+    group: str = "default"
+    plan: dict[str, str] = field(default_factory=dict)
+    sequence_parallel: bool = False
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # get_attr target -> param/buffer
+    demoted: dict[Node, str] = field(default_factory=dict)  # seed -> why it is replicated
+    param_slices: dict[str, Optional[ParamSlice]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    iterations: int = 0
+
+    def slice_for(self, name: str) -> Optional[ParamSlice]:
+        """How the parameter or buffer `name` is cut, looking through tied aliases."""
+        if name in self.param_slices:
+            return self.param_slices[name]
+        t = self.tensors.get(name)
+        for other, sl in self.param_slices.items():
+            if sl is not None and self.tensors.get(other) is t:
+                return sl
+        return None
+
+    def plan_for(self, module_path: str) -> str:
+        """The plan value covering a module path (longest matching prefix), default 'auto'."""
+        best, value = -1, "auto"
+        for key, v in self.plan.items():
+            if (module_path == key or module_path.startswith(key + ".") or key == "") and len(key) > best:
+                best, value = len(key), v
+        return value
+
+
+def module_path(node: Node) -> str:
+    """The dotted path of the innermost module a node was traced in ('' for the top)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [v[0] for v in stack.values() if isinstance(v, tuple) and not v[0].startswith("_empty")]
+    return paths[-1] if paths else ""
+
+
+def owner_path(target: str) -> str:
+    """'blocks.0.attn.c_attn.weight' -> 'blocks.0.attn.c_attn'."""
+    return target.rpartition(".")[0]
+
+
+def describe(node: Node) -> str:
+    """'aten.view at blocks.0.attn' for messages."""
+    from tpcompile.sharding_rules import op_name
+    where = module_path(node) or "the top-level module"
+    return f"{op_name(node.target)} ({node.name}) at {where}"

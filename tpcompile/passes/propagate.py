@@ -1,0 +1,184 @@
+"""Propagate pass: a placement for every node, column/row/vocab roles for the weight ops.
+
+Every weight matmul fed a replicated value starts as a column split, every one fed a value
+sharded on its contracted dim becomes a row split. When a sharded value reaches an op that
+cannot take it (a norm over the sharded dim, a head count the world size does not divide,
+an op with no rule), the splits it came from (its origins) are replicated instead and the
+pass runs again. Replications only grow, so this ends after at most one round per seed.
+"""
+from __future__ import annotations
+
+import operator
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch.fx import GraphModule, Node
+
+from tpcompile.passes.context import PassContext, describe, module_path, owner_path
+from tpcompile.placement import REPLICATE, Replicate, Shard
+from tpcompile.sharding_rules.context import ParamSlice, Result, RuleContext, Want
+from tpcompile.sharding_rules.rules import apply_rule
+
+
+class TPCompileWarning(UserWarning):
+    """A part of the model is replicated instead of split; numerics are unaffected."""
+
+
+SEED_ROLES = ("column", "vocab")
+
+
+@dataclass
+class Layout:
+    """node.meta['tp_layout']: what the rewriter must do around one node."""
+
+    role: str = "generic"
+    wants: list[Want] = field(default_factory=list)
+    localize: Optional[tuple[str, int, int]] = None
+    gather_output: bool = True
+
+
+def propagate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    """Write node.meta['tp_placement'] and ['tp_layout'], replicating regions that cannot be split."""
+    seeds = [n for n in gm.graph.nodes if _seed_path(n) is not None]
+    for n in seeds:
+        if ctx.plan_for(_seed_path(n)) == "replicate":
+            ctx.demoted[n] = "replicated by the plan"
+    for ctx.iterations in range(1, len(seeds) + 2):
+        conflicts = _run_once(gm, ctx)
+        fresh = {o: why for origins, why in conflicts for o in origins if o not in ctx.demoted}
+        if not fresh:
+            assert not conflicts, f"unresolved sharding conflicts: {conflicts}"
+            break
+        ctx.demoted.update(fresh)
+    _warn(ctx)
+    return gm
+
+
+def _seed_path(node: Node) -> Optional[str]:
+    """The module path of a weight op (matmul with a parameter, embedding), else None."""
+    spec = node.meta.get("tp_rule")
+    if node.op != "call_function" or spec is None or spec.rule not in ("weight_matmul", "embedding"):
+        return None
+    w = node.args[spec.get("weight", 0)] if spec.rule == "weight_matmul" else node.args[0]
+    return owner_path(w.target) if isinstance(w, Node) and w.op == "get_attr" else None
+
+
+def _run_once(gm: GraphModule, ctx: PassContext) -> list[tuple[frozenset, str]]:
+    """One forward sweep; returns (origins, reason) for every conflict met."""
+    origins: dict[Node, frozenset] = {}
+    grad: dict[Node, bool] = {}
+    requests: dict[str, dict[Optional[ParamSlice], set]] = {}
+    conflicts: list[tuple[frozenset, str]] = []
+
+    def placement(n: Any) -> Any:
+        return n.meta.get("tp_placement", REPLICATE) if isinstance(n, Node) else REPLICATE
+
+    def param(n: Any) -> Optional[torch.Tensor]:
+        if isinstance(n, Node) and n.op == "get_attr":
+            t = ctx.tensors.get(n.target)
+            return t if isinstance(t, torch.nn.Parameter) else None
+        return None
+
+    rctx = RuleContext(ctx.world_size, placement, lambda n: grad.get(n, False), param,
+                       lambda n: n.op == "placeholder", lambda n: n in ctx.demoted,
+                       lambda n: n.meta["tp_rule"].get("segments"))
+    for node in gm.graph.nodes:
+        inputs = node.all_input_nodes
+        src = frozenset().union(*(origins.get(i, frozenset()) for i in inputs if isinstance(placement(i), Shard)))
+        grad[node] = _requires_grad(node, ctx, grad)
+        if node.op == "output":
+            conflicts += _output(node, placement, src, ctx)
+            continue
+        if node.op != "call_function":
+            node.meta["tp_placement"] = REPLICATE
+            node.meta["tp_layout"] = Layout()
+            continue
+        res = _result(node, rctx, placement)
+        why = res.conflict or _check_wants(res, placement)
+        if res.demote_self:
+            conflicts.append((frozenset([node]), f"{describe(node)}: {res.demote_self}"))
+        if why:
+            conflicts.append((src, f"{describe(node)}: {why}"))
+            res = Result(_replicated_like(res.out), [Want(w.node, REPLICATE) for w in res.wants])
+        for p, sl in res.params.items():
+            requests.setdefault(p.target, {}).setdefault(sl, set()).add(node)
+        node.meta["tp_placement"] = res.out
+        node.meta["tp_layout"] = Layout(res.role, res.wants, res.localize)
+        origins[node] = src | (frozenset([node]) if res.role in SEED_ROLES else frozenset())
+    ctx.param_slices = {}
+    for target, by_slice in requests.items():
+        if len(by_slice) > 1:
+            users = frozenset().union(*(s for sl, s in by_slice.items() if sl is not None))
+            conflicts.append((users, f"parameter {target} is used both split and whole"))
+        ctx.param_slices[target] = next(iter(by_slice)) if len(by_slice) == 1 else None
+    return conflicts
+
+
+def _result(node: Node, rctx: RuleContext, placement: Any) -> Result:
+    spec = node.meta.get("tp_rule")
+    if spec is not None:
+        return apply_rule(node, spec, rctx)
+    tensors = [i for i in node.all_input_nodes if rctx.is_tensor(i)]
+    if node.target is operator.getitem:
+        p = placement(node.args[0])
+        out = p[node.args[1]] if isinstance(p, tuple) else REPLICATE
+        return Result(out, [])
+    res = Result(REPLICATE, [Want(i, REPLICATE) for i in tensors])
+    if not rctx.all_replicated(tensors):
+        res.conflict = "no sharding rule for this op (add a row to sharding_rules/ops.yaml)"
+    if node.target is torch.ops.aten.sym_size.int and isinstance(placement(node.args[0]), Shard):
+        res.conflict = None if placement(node.args[0]).dim != node.args[1] else "size of a sharded dim"
+    return res
+
+
+def _check_wants(res: Result, placement: Any) -> Optional[str]:
+    """Why an input cannot be brought to the placement the rule wants, if it cannot."""
+    for w in res.wants:
+        have = placement(w.node)
+        if have == w.placement:
+            continue
+        if isinstance(have, Replicate) and isinstance(w.placement, Shard) and w.placement.plain:
+            continue  # a local slice, no communication
+        return f"input {w.node.name} is {have} but the op needs {w.placement}"
+    return None
+
+
+def _replicated_like(out: Any) -> Any:
+    return tuple(REPLICATE for _ in out) if isinstance(out, tuple) else (None if out is None else REPLICATE)
+
+
+def _output(node: Node, placement: Any, src: frozenset, ctx: PassContext) -> list:
+    """Sharded results are gathered once at the end (or left sharded when the plan says so)."""
+    keep = bool(src) and all(ctx.plan_for(_seed_path(o) or "") == "sharded_output" for o in src)
+    node.meta["tp_layout"] = Layout("output", [], gather_output=not keep)
+    node.meta["tp_placement"] = REPLICATE
+    for n in node.all_input_nodes:
+        p = placement(n)
+        if isinstance(p, Shard) and not p.plain:
+            return [(src, f"output {n.name} is split in segments {p.segments}; cannot gather it in order")]
+    return []
+
+
+def _requires_grad(node: Node, ctx: PassContext, grad: dict[Node, bool]) -> bool:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not (val.is_floating_point() or val.is_complex()):
+        return False
+    if node.op == "get_attr":
+        t = ctx.tensors.get(node.target)
+        return bool(t is not None and t.requires_grad)
+    if node.op == "placeholder":
+        return True
+    return any(grad.get(i, False) for i in node.all_input_nodes)
+
+
+def _warn(ctx: PassContext) -> None:
+    by_reason: dict[str, list[str]] = {}
+    for seed, why in ctx.demoted.items():
+        if why != "replicated by the plan":
+            by_reason.setdefault(why, []).append(_seed_path(seed) or seed.name)
+    for why, paths in by_reason.items():
+        msg = f"{why}; replicating {', '.join(sorted(set(paths)))} (results stay exact, this part is not split)"
+        ctx.warnings.append(msg)
+        warnings.warn(msg, TPCompileWarning, stacklevel=4)

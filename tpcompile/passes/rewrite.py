@@ -1,0 +1,181 @@
+"""Rewrite pass: one rank's graph, with local shape literals, sliced weights and collectives."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import fx, nn
+from torch.fx import GraphModule, Node
+
+import tpcompile.collectives  # noqa: F401  (registers torch.ops.tpcompile.*)
+from tpcompile.passes.context import PassContext
+from tpcompile.placement import Replicate, Shard, segment_ranges
+from tpcompile.sharding_rules.context import Want
+
+aten = torch.ops.aten
+tp = torch.ops.tpcompile
+
+
+class _Emitter:
+    """Builds the rank graph node by node, inserting each collective once per value."""
+
+    def __init__(self, gm: GraphModule, ctx: PassContext, rank: int) -> None:
+        self.gm, self.ctx, self.rank, self.ws = gm, ctx, rank, ctx.world_size
+        self.graph = fx.Graph()
+        self.graph._codegen = gm.graph._codegen  # pytree in/out specs, read-only
+        self.env: dict[Node, Node] = {}
+        self.cache: dict[tuple, Node] = {}
+        self.current: Node = None  # the source node being rewritten, for meta
+
+    def call(self, target: Any, *args: Any) -> Node:
+        node = self.graph.call_function(target, args)
+        node.meta = {k: v for k, v in self.current.meta.items() if k in ("nn_module_stack", "stack_trace")}
+        return node
+
+    def converted(self, w: Want) -> Node:
+        """The new-graph value of an input, redistributed to what the consuming op wants."""
+        have, src = w.node.meta.get("tp_placement"), self.env[w.node]
+        if isinstance(have, Replicate) and isinstance(w.placement, Shard):
+            return self._once(("scatter", w.node, w.placement.dim), tp.scatter.default,
+                              src, w.placement.dim, self.ctx.group)
+        if w.grad_sync and isinstance(have, Replicate):
+            return self._once(("grad_all_reduce", w.node), tp.grad_all_reduce.default, src, self.ctx.group)
+        return src
+
+    def _once(self, key: tuple, target: Any, *args: Any) -> Node:
+        if key not in self.cache:
+            self.cache[key] = self.call(target, *args)
+        return self.cache[key]
+
+
+def rewrite_pass(gm: GraphModule, ctx: PassContext, rank: int) -> GraphModule:
+    """Return rank `rank`'s GraphModule: same inputs and outputs as the model, local weights."""
+    em = _Emitter(gm, ctx, rank)
+    for node in gm.graph.nodes:
+        em.current = node
+        layout = node.meta.get("tp_layout")
+        if node.op == "output":
+            _emit_output(em, node, layout.gather_output)
+            continue
+        if layout is None or node.op != "call_function":
+            em.env[node] = em.graph.node_copy(node, lambda n: em.env[n])
+            continue
+        repl = {w.node: em.converted(w) for w in layout.wants}
+        lookup: Callable[[Node], Node] = lambda n: repl.get(n, em.env[n])  # noqa: E731
+        if layout.role == "row":
+            em.env[node] = _emit_row(em, node, lookup)
+        elif layout.role == "vocab":
+            em.env[node] = _emit_vocab(em, node, lookup)
+        elif _drop_metadata_assert(node):
+            continue
+        else:
+            new = em.graph.node_copy(node, lookup)
+            if layout.localize:
+                new.args = _localize(new, layout.localize, em.ws)
+            if isinstance(node.meta.get("tp_placement"), (Shard, tuple)):
+                new.meta.pop("val", None)
+                new.meta.pop("tensor_meta", None)
+            em.env[node] = new
+    return _module(gm, ctx, rank, em.graph)
+
+
+def _emit_output(em: _Emitter, node: Node, gather: bool) -> None:
+    def fix(n: Node) -> Node:
+        p = n.meta.get("tp_placement")
+        if isinstance(p, Shard) and gather:
+            return em._once(("gather", n), tp.all_gather_replicated.default, em.env[n], p.dim, em.ctx.group)
+        return em.env[n]
+    em.graph.output(fx.node.map_arg(node.args[0], fix))
+
+
+def _emit_row(em: _Emitter, node: Node, lookup: Callable[[Node], Node]) -> Node:
+    """Row split: local matmul without bias, one all-reduce, then the bias once."""
+    spec = node.meta["tp_rule"]
+    x, w = lookup(node.args[spec.get("input")]), lookup(node.args[spec.get("weight")])
+    bi = spec.get("bias")
+    bias = node.args[bi] if bi is not None and bi < len(node.args) else None
+    if node.target is aten.linear.default:
+        y = em.call(aten.linear.default, x, w)
+    elif node.target is aten.matmul.default:
+        y = em.call(aten.matmul.default, x, w)
+    else:
+        y = em.call(aten.mm.default, x, w)
+    y = em.call(tp.all_reduce.default, y, em.ctx.group)
+    return em.call(aten.add.Tensor, y, lookup(bias)) if isinstance(bias, Node) else y
+
+
+def _emit_vocab(em: _Emitter, node: Node, lookup: Callable[[Node], Node]) -> Node:
+    """Vocabulary split: look up only this rank's rows, zero the rest, one all-reduce."""
+    w, idx = lookup(node.args[0]), lookup(node.args[1])
+    vocab = int(node.args[0].meta["val"].shape[0])
+    start, stop = em.rank * vocab // em.ws, (em.rank + 1) * vocab // em.ws
+    outside = em.call(aten.bitwise_or.Tensor, em.call(aten.lt.Scalar, idx, start), em.call(aten.ge.Scalar, idx, stop))
+    local = em.call(aten.masked_fill.Scalar, em.call(aten.sub.Scalar, idx, start), outside, 0)
+    pad = node.args[2] if len(node.args) > 2 else -1
+    pad = pad - start if start <= pad < stop else -1
+    rows = em.call(aten.embedding.default, w, local, pad, *node.args[3:])
+    rows = em.call(aten.masked_fill.Scalar, rows, em.call(aten.unsqueeze.default, outside, -1), 0.0)
+    return em.call(tp.all_reduce.default, rows, em.ctx.group)
+
+
+def _localize(node: Node, loc: tuple[str, int, int], ws: int) -> tuple:
+    """Divide the size literal of the sharded dim by the world size."""
+    kind, i, pos = loc
+    args = list(node.args)
+    if kind == "shape":
+        sizes = list(args[i])
+        if isinstance(sizes[pos], int) and sizes[pos] != -1:
+            sizes[pos] = sizes[pos] // ws
+        args[i] = sizes
+    elif kind == "split" and node.target is not aten.chunk.default:
+        args[i] = [s // ws for s in args[i]] if isinstance(args[i], (list, tuple)) else args[i] // ws
+    return tuple(args)
+
+
+def _drop_metadata_assert(node: Node) -> bool:
+    """A metadata assertion about a sharded tensor's global size no longer holds: drop it."""
+    if node.target is not aten._assert_tensor_metadata.default:
+        return False
+    return node.kwargs.get("size") is not None and isinstance(node.args[0].meta.get("tp_placement"), Shard)
+
+
+def local_tensor(t: torch.Tensor, sl: Any, rank: int, ws: int) -> torch.Tensor:
+    """This rank's piece of a parameter (a copy, so ranks never share storage)."""
+    if sl is None:
+        return t.detach().clone()
+    pieces = [t.narrow(sl.dim, a, b - a) for a, b in segment_ranges(t.shape[sl.dim], sl.segments, rank, ws)]
+    return torch.cat(pieces, dim=sl.dim).detach().clone().contiguous()
+
+
+def _module(gm: GraphModule, ctx: PassContext, rank: int, graph: fx.Graph) -> GraphModule:
+    """Wrap the rank graph with this rank's parameters, tied parameters kept as one object."""
+    root = nn.Module()
+    made: dict[int, torch.Tensor] = {}
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    for name, t in ctx.tensors.items():
+        if id(t) not in made:
+            local = local_tensor(t, ctx.slice_for(name), rank, ctx.world_size)
+            made[id(t)] = nn.Parameter(local, requires_grad=t.requires_grad) if name in params else local
+        _set(root, name, made[id(t)], is_param=name in params)
+    for name, mod in gm.named_children():
+        if not any(k.startswith(name + ".") for k in ctx.tensors):
+            setattr(root, name, mod)
+    out = GraphModule(root, graph, class_name=f"ShardedRank{rank}")
+    for attr in ("_in_spec", "_out_spec"):
+        if hasattr(gm, attr):
+            setattr(out, attr, getattr(gm, attr))
+    out.recompile()
+    return out
+
+
+def _set(root: nn.Module, name: str, value: torch.Tensor, *, is_param: bool) -> None:
+    *path, leaf = name.split(".")
+    mod = root
+    for p in path:
+        if not hasattr(mod, p):
+            mod.add_module(p, nn.Module())
+        mod = getattr(mod, p)
+    if is_param:
+        setattr(mod, leaf, value)
+    else:
+        mod.register_buffer(leaf, value)

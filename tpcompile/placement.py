@@ -1,0 +1,67 @@
+"""Placements: how a value is laid out across ranks (DTensor's vocabulary plus segments).
+
+`Shard` carries optional `segments`: the sharded dimension is a concatenation of segments
+(for example a fused q|k|v projection of sizes (C, C, C)) and every segment is split evenly
+across ranks, so a rank holds the concatenation of its piece of each segment. A plain shard
+is the one-segment case. DTensor's `Shard(dim)` has no segments, hence these small types.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Every rank holds the whole value."""
+
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Each rank holds 1/world_size of dimension `dim` (of every segment, when segmented)."""
+
+    dim: int
+    segments: Optional[tuple[int, ...]] = None
+
+    def __str__(self) -> str:
+        seg = "" if self.segments is None else f"|{'+'.join(map(str, self.segments))}"
+        return f"S({self.dim}{seg})"
+
+    @property
+    def plain(self) -> bool:
+        """True when the dimension is one segment split evenly."""
+        return self.segments is None or len(self.segments) == 1
+
+
+@dataclass(frozen=True)
+class Partial:
+    """Each rank holds a summand; the value is the sum over ranks."""
+
+    def __str__(self) -> str:
+        return "P"
+
+
+Placement = Union[Replicate, Shard, Partial]
+REPLICATE = Replicate()
+
+
+def shard(dim: int, segments: Optional[Sequence[int]] = None) -> Shard:
+    """A Shard with a one-segment list normalised to a plain shard."""
+    segs = None if segments is None or len(segments) <= 1 else tuple(int(s) for s in segments)
+    return Shard(dim, segs)
+
+
+def segment_ranges(size: int, segments: Optional[Sequence[int]], rank: int, world_size: int) -> list[tuple[int, int]]:
+    """The [start, stop) index ranges along a sharded dim that `rank` holds."""
+    segs = list(segments) if segments else [size]
+    assert sum(segs) == size, f"segments {segs} do not add up to {size}"
+    ranges, offset = [], 0
+    for s in segs:
+        assert s % world_size == 0, f"segment {s} not divisible by {world_size}"
+        piece = s // world_size
+        ranges.append((offset + rank * piece, offset + (rank + 1) * piece))
+        offset += s
+    return ranges

@@ -1,0 +1,96 @@
+"""Rules for elementwise ops, reductions and normalisations."""
+from __future__ import annotations
+
+from typing import Any
+
+from torch.fx import Node
+
+from tpcompile.placement import REPLICATE, Replicate, Shard
+from tpcompile.sharding_rules.context import Result, RuleContext, Want, norm_dim
+from tpcompile.sharding_rules.table import RuleSpec
+
+
+def _tensor_args(node: Node, ctx: RuleContext) -> list[Node]:
+    flat: list[Any] = []
+    for a in list(node.args) + list(node.kwargs.values()):
+        flat.extend(a if isinstance(a, (list, tuple)) else [a])
+    return [a for a in flat if ctx.is_tensor(a)]
+
+
+def pointwise(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """Elementwise with broadcasting: replicated operands are sliced, or broadcast and grad-synced."""
+    inputs = _tensor_args(node, ctx)
+    if ctx.all_replicated(inputs):
+        return Result(REPLICATE, [Want(n, REPLICATE) for n in inputs])
+    nout = len(ctx.shape(node))
+    targets = set()
+    for n in inputs:
+        p = ctx.placement(n)
+        if isinstance(p, Shard):
+            targets.add(Shard(p.dim + nout - len(ctx.shape(n)), p.segments))
+    if len(targets) > 1:
+        return Result(REPLICATE, [Want(n, REPLICATE) for n in inputs],
+                      conflict=f"operands sharded differently ({', '.join(map(str, targets))})")
+    target = targets.pop()
+    wants = []
+    for n in inputs:
+        p, shape = ctx.placement(n), ctx.shape(n)
+        if isinstance(p, Shard):
+            wants.append(Want(n, p))
+            continue
+        d = target.dim - (nout - len(shape))
+        if d >= 0 and shape[d] != 1:
+            wants.append(Want(n, Shard(d, target.segments)))
+        else:
+            wants.append(ctx.replicated_want(n, target))
+    return Result(target, wants)
+
+
+def along_dim(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """softmax / cumsum along one dim: fine unless that dim is the sharded one."""
+    x = node.args[0]
+    p = ctx.placement(x)
+    if isinstance(p, Replicate):
+        return Result(REPLICATE, [Want(x, REPLICATE)])
+    dim = norm_dim(node.args[spec.get("dim_arg")], len(ctx.shape(x)))
+    if dim == p.dim:
+        return Result(REPLICATE, [Want(x, REPLICATE)], conflict=f"needs the whole of dim {dim}, which is sharded")
+    return Result(p, [Want(x, p)])
+
+
+def reduce(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """mean / sum / amax over dims other than the sharded one."""
+    x = node.args[0]
+    p = ctx.placement(x)
+    if isinstance(p, Replicate):
+        return Result(REPLICATE, [Want(x, REPLICATE)])
+    nd = len(ctx.shape(x))
+    i = spec.get("dims_arg")
+    dims = node.args[i] if i < len(node.args) else node.kwargs.get("dim")
+    dims = list(range(nd)) if dims is None else [dims] if isinstance(dims, int) else list(dims)
+    dims = [norm_dim(d, nd) for d in dims]
+    if p.dim in dims:
+        return Result(REPLICATE, [Want(x, REPLICATE)], conflict=f"reduces over the sharded dim {p.dim}")
+    k = spec.get("keepdim_arg")
+    keep = node.args[k] if k is not None and k < len(node.args) else node.kwargs.get("keepdim", False)
+    shift = 0 if keep else sum(d < p.dim for d in dims)
+    return Result(Shard(p.dim - shift, p.segments), [Want(x, p)])
+
+
+def norm(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """layer_norm / rms_norm over trailing dims that are not sharded; weights grad-synced."""
+    x = node.args[0]
+    p = ctx.placement(x)
+    extra = [a for a in node.args[2:4] if ctx.is_tensor(a)]
+    if isinstance(p, Replicate):
+        return Result(REPLICATE, [Want(n, REPLICATE) for n in [x] + extra])
+    nd, k = len(ctx.shape(x)), len(node.args[spec.get("shape_arg")])
+    if p.dim >= nd - k:
+        return Result(REPLICATE, [Want(n, REPLICATE) for n in [x] + extra],
+                      conflict=f"normalises over the sharded dim {p.dim}")
+    return Result(p, [Want(x, p)] + [ctx.replicated_want(n, p) for n in extra])
+
+
+def no_output(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """Metadata assertions: no tensor out, inputs taken as they are."""
+    return Result(None, [Want(n, ctx.placement(n)) for n in _tensor_args(node, ctx)])

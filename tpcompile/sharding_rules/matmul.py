@@ -1,0 +1,142 @@
+"""Rules for the ops that hold the weights: matmuls with a weight, embeddings, attention."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch.fx import Node
+
+from tpcompile.placement import REPLICATE, Replicate, Shard, shard
+from tpcompile.sharding_rules.context import ParamSlice, Result, RuleContext, Want, norm_dim
+from tpcompile.sharding_rules.table import RuleSpec
+
+
+def _arg(node: Node, i: Optional[int]) -> Any:
+    return node.args[i] if i is not None and i < len(node.args) else None
+
+
+def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """linear / addmm / mm / matmul: column split on a replicated input, row split on a sharded one."""
+    x, w, b = _arg(node, spec.get("input")), _arg(node, spec.get("weight")), _arg(node, spec.get("bias"))
+    wshape = ctx.shape(w)
+    if ctx.param(w) is None or wshape is None or len(wshape) != 2:
+        return activation_matmul(node, spec, ctx)
+    out_in = spec.get("weight_layout") == "out_in"
+    out_dim, in_dim = (0, 1) if out_in else (1, 0)
+    px = ctx.placement(x)
+    xshape = ctx.shape(x)
+    params: dict[Node, Optional[ParamSlice]] = {w: None}
+    if isinstance(b, Node):
+        params[b] = None
+    if ctx.demoted(node):
+        return Result(REPLICATE, [Want(x, REPLICATE)], role="replicate", params=params)
+    if isinstance(px, Replicate):
+        segments = ctx.segment_hint(node) or (wshape[out_dim],)
+        bad = [s for s in segments if s % ctx.world_size]
+        if bad:
+            what = "segment" if len(segments) > 1 else "output features"
+            return Result(REPLICATE, [Want(x, REPLICATE)], role="replicate", params=params,
+                          demote_self=f"{what} {bad[0]} not divisible by world size {ctx.world_size}")
+        out = shard(len(ctx.shape(node)) - 1, segments)
+        params[w] = ParamSlice(out_dim, out.segments)
+        if isinstance(b, Node):
+            params[b] = ParamSlice(0, out.segments)
+        return Result(out, [ctx.replicated_want(x, out)], role="column", params=params)
+    if isinstance(px, Shard) and px.dim == len(xshape) - 1:
+        params[w] = ParamSlice(in_dim, px.segments)
+        return Result(REPLICATE, [Want(x, px)], role="row", params=params)
+    return Result(REPLICATE, [Want(x, REPLICATE)], params=params,
+                  conflict=f"input is sharded on dim {px.dim}, not on the contracted dim")
+
+
+def activation_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """matmul / bmm of two activations: a sharded batch, row or column dim carries through."""
+    a, b = node.args[0], node.args[1]
+    operands = [(a, ctx.shape(a), True), (b, ctx.shape(b), False)]
+    nout = len(ctx.shape(node))
+    everything_replicated = [Want(a, REPLICATE), Want(b, REPLICATE)]
+    if ctx.all_replicated([a, b]):
+        return Result(REPLICATE, everything_replicated)
+    if min(len(operands[0][1]), len(operands[1][1])) < 2:
+        return Result(REPLICATE, everything_replicated, conflict="1-D matmul of a sharded value")
+    target: Optional[Shard] = None
+    for n, shape, is_a in operands:
+        p = ctx.placement(n)
+        if not isinstance(p, Shard):
+            continue
+        d = _out_dim(p.dim, len(shape), nout, is_a)
+        if d is None:
+            return Result(REPLICATE, everything_replicated, conflict="sharded along the contracted dim")
+        if target is not None and target != Shard(d, p.segments):
+            return Result(REPLICATE, everything_replicated, conflict="operands sharded differently")
+        target = Shard(d, p.segments)
+    wants = []
+    for n, shape, is_a in operands:
+        p = ctx.placement(n)
+        if isinstance(p, Shard):
+            wants.append(Want(n, p))
+            continue
+        d = target.dim - (nout - len(shape))
+        if d >= 0 and _out_dim(d, len(shape), nout, is_a) == target.dim and shape[d] != 1:
+            wants.append(Want(n, Shard(d, target.segments)))
+        else:
+            wants.append(ctx.replicated_want(n, target))
+    return Result(target, wants)
+
+
+def _out_dim(d: int, ndim: int, nout: int, is_a: bool) -> Optional[int]:
+    """Where operand dim `d` lands in the matmul output; None for the contracted dim."""
+    if (is_a and d == ndim - 1) or (not is_a and d == ndim - 2):
+        return None
+    return d + nout - ndim
+
+
+def embedding(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """Embedding lookup: split by vocabulary when the indices are the user's token ids."""
+    w, idx = node.args[0], node.args[1]
+    wshape = ctx.shape(w)
+    params: dict[Node, Optional[ParamSlice]] = {w: None}
+    if not isinstance(ctx.placement(idx), Replicate):
+        return Result(REPLICATE, [Want(idx, REPLICATE)], params=params, conflict="indices are sharded")
+    if ctx.param(w) is None or ctx.demoted(node) or not ctx.is_user_input(idx):
+        return Result(REPLICATE, [Want(idx, REPLICATE)], role="replicate", params=params)
+    if wshape[0] % ctx.world_size:
+        return Result(REPLICATE, [Want(idx, REPLICATE)], role="replicate", params=params,
+                      demote_self=f"vocabulary {wshape[0]} not divisible by world size {ctx.world_size}")
+    params[w] = ParamSlice(0, None)
+    return Result(REPLICATE, [Want(idx, REPLICATE)], role="vocab", params=params)
+
+
+def sdpa(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """scaled_dot_product_attention: whole heads (dim 1) per rank."""
+    q, k, v = node.args[:3]
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    tensors = [q, k, v] + ([mask] if isinstance(mask, Node) else [])
+    if ctx.all_replicated(tensors):
+        return Result(REPLICATE, [Want(n, REPLICATE) for n in tensors])
+    target = Shard(1)
+    for n in tensors:
+        p = ctx.placement(n)
+        if isinstance(p, Shard) and p != target:
+            return Result(REPLICATE, [Want(n, REPLICATE) for n in tensors],
+                          conflict=f"attention input sharded as {p}, expected whole heads (dim 1)")
+    wants = []
+    for n in (q, k, v):
+        heads = ctx.shape(n)[1]
+        if isinstance(ctx.placement(n), Replicate) and heads % ctx.world_size:
+            return Result(REPLICATE, [Want(m, REPLICATE) for m in tensors],
+                          conflict=f"{heads} heads not divisible by world size {ctx.world_size}")
+        wants.append(Want(n, target))
+    if isinstance(mask, Node):
+        mshape = ctx.shape(mask)
+        if len(mshape) == 4 and mshape[1] != 1:
+            wants.append(Want(mask, target))
+        else:
+            wants.append(ctx.replicated_want(mask, target))
+    return Result(target, wants)
+
+
+def norm_dim_of(node: Node, spec: RuleSpec, key: str, default: int, ndim: int) -> int:
+    """The dimension argument of an op, made non-negative."""
+    i = spec.get(key)
+    dim = node.args[i] if i is not None and i < len(node.args) else node.kwargs.get("dim", default)
+    return norm_dim(dim, ndim)

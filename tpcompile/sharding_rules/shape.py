@@ -1,0 +1,214 @@
+"""Rules for shape ops: follow the sharded dim through views, transposes, splits and cats."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from torch.fx import Node
+
+from tpcompile.placement import REPLICATE, Replicate, Shard, shard
+from tpcompile.sharding_rules.context import Result, RuleContext, Size, Want, norm_dim, prod, sizes_equal
+from tpcompile.sharding_rules.table import RuleSpec
+
+
+def _passthrough(node: Node, ctx: RuleContext) -> Optional[Result]:
+    """Replicated in, replicated out: the common case for every shape op."""
+    x = node.args[0]
+    if isinstance(ctx.placement(x), Replicate):
+        return Result(REPLICATE, [Want(x, REPLICATE)])
+    return None
+
+
+def _fail(node: Node, why: str) -> Result:
+    return Result(REPLICATE, [Want(node.args[0], REPLICATE)], conflict=why)
+
+
+def _groups(ins: Sequence[Size], outs: Sequence[Size]) -> Optional[list[tuple[list[int], list[int]]]]:
+    """Pair runs of input dims with runs of output dims of equal element count."""
+    groups, i, j = [], 0, 0
+    while i < len(ins) or j < len(outs):
+        gi, gj = [], []
+        pi, pj = 1, 1
+        if i < len(ins):
+            gi.append(i); pi = ins[i]; i += 1
+        if j < len(outs):
+            gj.append(j); pj = outs[j]; j += 1
+        while not sizes_equal(pi, pj):
+            if (isinstance(pi, int) and isinstance(pj, int) and pi < pj or j >= len(outs)) and i < len(ins):
+                gi.append(i); pi = pi * ins[i]; i += 1
+            elif j < len(outs):
+                gj.append(j); pj = pj * outs[j]; j += 1
+            else:
+                return None
+        groups.append((gi, gj))
+    return groups
+
+
+def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: int) -> tuple[Optional[Shard], str]:
+    """Where a sharded dim lands after a reshape, tracked as contiguous sharded blocks."""
+    groups = _groups(ins, outs)
+    if groups is None:
+        return None, "cannot match the input and output dims"
+    for gi, gj in groups:
+        if p.dim not in gi:
+            continue
+        t = gi.index(p.dim)
+        outer, inner = prod([ins[d] for d in gi[:t]]), prod([ins[d] for d in gi[t + 1:]])
+        if not isinstance(outer, int) or not isinstance(inner, int):
+            return None, "the sharded dim is merged with a dynamic dim"
+        segs = list(p.segments or (ins[p.dim],))
+        flat = [s * inner for _ in range(outer) for s in segs]  # sharded blocks in element order
+        outs_g = [outs[d] for d in gj]
+        for u, size in enumerate(outs_g):
+            if size == 1:
+                continue
+            q, pre = prod(outs_g[u + 1:]), prod(outs_g[:u])
+            if not isinstance(q, int) or not isinstance(pre, int) or any(f % q for f in flat) or len(flat) % pre:
+                continue
+            per = [f // q for f in flat]
+            n = len(per) // pre
+            one = per[:n]
+            if per != one * pre or sum(one) != size:
+                continue
+            if any(s % ws for s in one):
+                sizes = "x".join(str(s) for s in outs_g)
+                return None, (f"reshape splits a sharded dim of size {ins[p.dim]} into ({sizes}); "
+                              f"{size} is not divisible by world size {ws}")
+            return shard(gj[u], one), ""
+        return None, f"reshape to {tuple(outs)} cuts through the per-rank blocks of dim {p.dim}"
+    return None, "sharded dim not found"
+
+
+def reshape(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """view / reshape / flatten / (un)squeeze."""
+    done = _passthrough(node, ctx)
+    if done:
+        return done
+    x = node.args[0]
+    p = ctx.placement(x)
+    out, why = reshape_placement(p, ctx.shape(x), ctx.shape(node), ctx.world_size)
+    if out is None:
+        return _fail(node, why)
+    res = Result(out, [Want(x, p)])
+    if spec.get("shape_arg") is not None:
+        res.localize = ("shape", spec.get("shape_arg"), out.dim)
+    return res
+
+
+def expand(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """expand: new leading dims shift the sharded dim; its size literal becomes per-rank."""
+    done = _passthrough(node, ctx)
+    if done:
+        return done
+    x = node.args[0]
+    p = ctx.placement(x)
+    out = Shard(p.dim + len(ctx.shape(node)) - len(ctx.shape(x)), p.segments)
+    return Result(out, [Want(x, p)], localize=("shape", 1, out.dim))
+
+
+def transpose(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """transpose / t: the sharded dim moves with the swap."""
+    done = _passthrough(node, ctx)
+    if done:
+        return done
+    x = node.args[0]
+    p, nd = ctx.placement(x), len(ctx.shape(x))
+    d0, d1 = (norm_dim(node.args[1], nd), norm_dim(node.args[2], nd)) if len(node.args) > 2 else (0, 1)
+    d = d1 if p.dim == d0 else d0 if p.dim == d1 else p.dim
+    return Result(Shard(d, p.segments), [Want(x, p)])
+
+
+def permute(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """permute: the sharded dim goes where the permutation puts it."""
+    done = _passthrough(node, ctx)
+    if done:
+        return done
+    x = node.args[0]
+    p, nd = ctx.placement(x), len(ctx.shape(x))
+    dims = [norm_dim(d, nd) for d in node.args[1]]
+    return Result(Shard(dims.index(p.dim), p.segments), [Want(x, p)])
+
+
+def _dim(node: Node, spec: RuleSpec, ndim: int) -> int:
+    i = spec.get("dim_arg")
+    dim = node.args[i] if i < len(node.args) else node.kwargs.get("dim", spec.get("default_dim", 0))
+    return norm_dim(dim, ndim)
+
+
+def split(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """split / split_with_sizes / chunk: pieces along the sharded dim must be whole segments."""
+    x = node.args[0]
+    p = ctx.placement(x)
+    pieces = [len(v.shape) and v.shape for v in node.meta["val"]]
+    if isinstance(p, Replicate):
+        return Result(tuple(REPLICATE for _ in pieces), [Want(x, REPLICATE)])
+    dim = _dim(node, spec, len(ctx.shape(x)))
+    if p.dim != dim:
+        return Result(tuple(p for _ in pieces), [Want(x, p)])
+    segs = list(p.segments or (ctx.shape(x)[dim],))
+    outs, k = [], 0
+    for shape in pieces:
+        want, got = int(shape[dim]), []
+        while k < len(segs) and sum(got) < want:
+            got.append(segs[k]); k += 1
+        if sum(got) != want:
+            return _fail(node, f"split into {[int(s[dim]) for s in pieces]} cuts through the per-rank "
+                               f"blocks {segs} of dim {dim}")
+        outs.append(shard(dim, got))
+    if any(int(s[dim]) % ctx.world_size for s in pieces):
+        return _fail(node, "a split piece is not divisible by the world size")
+    return Result(tuple(outs), [Want(x, p)], localize=("split", 1, dim))
+
+
+def unbind(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """unbind: fine along any dim but the sharded one."""
+    x = node.args[0]
+    p = ctx.placement(x)
+    n = len(node.meta["val"])
+    if isinstance(p, Replicate):
+        return Result(tuple(REPLICATE for _ in range(n)), [Want(x, REPLICATE)])
+    dim = _dim(node, spec, len(ctx.shape(x)))
+    if dim == p.dim:
+        return _fail(node, "unbind along the sharded dim")
+    out = Shard(p.dim - (dim < p.dim), p.segments)
+    return Result(tuple(out for _ in range(n)), [Want(x, p)])
+
+
+def cat(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """cat along a dim other than the sharded one; replicated pieces are sliced locally."""
+    tensors = list(node.args[0])
+    ndim = len(ctx.shape(node))
+    if ctx.all_replicated(tensors):
+        return Result(REPLICATE, [Want(t, REPLICATE) for t in tensors])
+    dim = _dim(node, spec, ndim)
+    placements = {ctx.placement(t) for t in tensors if isinstance(ctx.placement(t), Shard)}
+    target = placements.pop()
+    if placements or target.dim == dim:
+        return Result(REPLICATE, [Want(t, REPLICATE) for t in tensors],
+                      conflict="cat of differently sharded values or along the sharded dim")
+    return Result(target, [Want(t, target) for t in tensors])
+
+
+def slice_(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """slice: any dim but the sharded one, where only a full slice is allowed."""
+    done = _passthrough(node, ctx)
+    if done:
+        return done
+    x = node.args[0]
+    p = ctx.placement(x)
+    dim = _dim(node, spec, len(ctx.shape(x)))
+    if dim == p.dim and not sizes_equal(ctx.shape(x)[dim], ctx.shape(node)[dim]):
+        return _fail(node, "slice along the sharded dim")
+    return Result(p, [Want(x, p)])
+
+
+def select(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """select: removes a dim other than the sharded one."""
+    done = _passthrough(node, ctx)
+    if done:
+        return done
+    x = node.args[0]
+    p = ctx.placement(x)
+    dim = _dim(node, spec, len(ctx.shape(x)))
+    if dim == p.dim:
+        return _fail(node, "select along the sharded dim")
+    return Result(Shard(p.dim - (dim < p.dim), p.segments), [Want(x, p)])
