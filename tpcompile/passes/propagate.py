@@ -82,11 +82,11 @@ def _run_once(gm: GraphModule, ctx: PassContext) -> list[tuple[frozenset, str]]:
         return None
 
     rctx = RuleContext(ctx.world_size, placement, lambda n: grad.get(n, False), param,
-                       lambda n: n.op == "placeholder", lambda n: n in ctx.demoted,
+                       _is_user_input, lambda n: n in ctx.demoted,
                        lambda n: n.meta["tp_rule"].get("segments"))
     for node in gm.graph.nodes:
         inputs = node.all_input_nodes
-        src = frozenset().union(*(origins.get(i, frozenset()) for i in inputs if isinstance(placement(i), Shard)))
+        src = frozenset().union(*(origins.get(i, frozenset()) for i in inputs if _sharded(placement(i))))
         grad[node] = _requires_grad(node, ctx, grad)
         if node.op == "output":
             conflicts += _output(node, placement, src, ctx)
@@ -114,6 +114,25 @@ def _run_once(gm: GraphModule, ctx: PassContext) -> list[tuple[frozenset, str]]:
             conflicts.append((users, f"parameter {target} is used both split and whole"))
         ctx.param_slices[target] = next(iter(by_slice)) if len(by_slice) == 1 else None
     return conflicts
+
+
+def _sharded(p: Any) -> bool:
+    """True for a Shard, or a tuple of placements (a split's outputs) holding one."""
+    return isinstance(p, Shard) or (isinstance(p, tuple) and any(isinstance(q, Shard) for q in p))
+
+
+def _is_user_input(node: Node) -> bool:
+    """A model input, possibly reshaped or converted (token ids reaching an embedding)."""
+    for _ in range(8):
+        if node.op == "placeholder":
+            return True
+        spec = node.meta.get("tp_rule")
+        if node.op != "call_function" or spec is None or spec.rule not in ("reshape", "pointwise", "expand"):
+            return False
+        if not isinstance(node.args[0], Node):
+            return False
+        node = node.args[0]
+    return False
 
 
 def _result(node: Node, rctx: RuleContext, placement: Any) -> Result:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import sympy
 from torch.fx import Node
 
 from tpcompile.placement import REPLICATE, Replicate, Shard, shard
@@ -33,7 +34,7 @@ def _groups(ins: Sequence[Size], outs: Sequence[Size]) -> Optional[list[tuple[li
         if j < len(outs):
             gj.append(j); pj = outs[j]; j += 1
         while not sizes_equal(pi, pj):
-            if (isinstance(pi, int) and isinstance(pj, int) and pi < pj or j >= len(outs)) and i < len(ins):
+            if (j >= len(outs) or _smaller(pi, pj)) and i < len(ins):
                 gi.append(i); pi = pi * ins[i]; i += 1
             elif j < len(outs):
                 gj.append(j); pj = pj * outs[j]; j += 1
@@ -41,6 +42,14 @@ def _groups(ins: Sequence[Size], outs: Sequence[Size]) -> Optional[list[tuple[li
                 return None
         groups.append((gi, gj))
     return groups
+
+
+def _smaller(a: Size, b: Size) -> bool:
+    """True when a divides b and is smaller (ints or sympy products of dynamic dims)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a < b
+    _, den = sympy.fraction(sympy.simplify(sympy.sympify(b) / sympy.sympify(a)))
+    return den == 1
 
 
 def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: int) -> tuple[Optional[Shard], str]:
@@ -138,7 +147,7 @@ def split(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """split / split_with_sizes / chunk: pieces along the sharded dim must be whole segments."""
     x = node.args[0]
     p = ctx.placement(x)
-    pieces = [len(v.shape) and v.shape for v in node.meta["val"]]
+    pieces = [v.shape for v in node.meta["val"]]
     if isinstance(p, Replicate):
         return Result(tuple(REPLICATE for _ in pieces), [Want(x, REPLICATE)])
     dim = _dim(node, spec, len(ctx.shape(x)))
