@@ -1,0 +1,299 @@
+"""The collective operators that sharded graphs call, as ``torch.ops.tpcompile.<name>``.
+
+Each op is named for what it does in forward and has the Megatron conjugate backward:
+all_reduce <-> identity, all_gather <-> reduce_scatter, scatter <-> all_gather,
+all_gather_replicated -> own chunk of the gradient, grad_all_reduce -> all_reduce.
+
+grad_all_reduce copies nothing in forward: its schema declares the output a view of the
+input (``Tensor(a) -> Tensor(a)``), which ``torch.library.custom_op`` accepts for a
+one-tensor view op, so the result shares storage with x. As with any view made inside a
+custom autograd function, modifying that result in place while it requires grad raises.
+scatter does copy: its chunk along dim is made contiguous for the matmul that follows.
+
+A collective runs on the calling thread's simulated rank (tpcompile.simulator), else on
+torch.distributed with the process group registered under the group key.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Literal, Protocol
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+from tpcompile import simulator
+from tpcompile.errors import TPCompileError
+from tpcompile.runtime import DistBackend
+
+__all__ = [
+    "COLLECTIVE_OPS", "FORWARD_COMMUNICATING", "CollectiveEvent", "all_gather",
+    "all_gather_replicated", "all_reduce", "current_backend", "grad_all_reduce", "rank_of",
+    "record", "reduce_scatter", "register_group", "scatter", "unregister_group",
+    "world_size_of",
+]
+
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_gather_replicated",
+                  "grad_all_reduce", "scatter")
+FORWARD_COMMUNICATING = frozenset({"all_reduce", "all_gather", "reduce_scatter",
+                                   "all_gather_replicated"})
+
+
+@dataclass(frozen=True)
+class CollectiveEvent:
+    """One executed collective: nbytes and shape describe this rank's input tensor."""
+
+    op: str
+    phase: Literal["forward", "backward"]
+    rank: int
+    nbytes: int
+    shape: tuple
+
+
+class Backend(Protocol):
+    """What a collective needs from a runtime: the rank's place and three exchanges."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor: ...
+    def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor: ...
+
+
+_groups: dict[str, Any] = {}
+_recorders: list[list[CollectiveEvent]] = []
+_record_lock = threading.Lock()
+# The compiler emits plain int dims, so the schema says int rather than the inferred SymInt.
+_DIM_SCHEMA = "(Tensor x, int dim, str group) -> Tensor"
+
+
+def register_group(key: str, group: dist.ProcessGroup | int) -> None:
+    """Name a torch.distributed ProcessGroup (or, for shape tracing only, an int world size)."""
+    if isinstance(group, bool) or (isinstance(group, int) and group < 1):
+        raise TPCompileError(f"group {key!r}: a world size must be an int >= 1, got {group!r}")
+    _groups[key] = group
+
+
+def unregister_group(key: str) -> None:
+    """Forget the group registered under key, if any."""
+    _groups.pop(key, None)
+
+
+def current_backend(group: str) -> Backend:
+    """The backend that runs collectives of group on the calling thread."""
+    sim = simulator.current_rank()
+    if sim is not None:
+        return sim
+    if dist.is_available() and dist.is_initialized():
+        pg = _groups.get(group)
+        if pg is None or isinstance(pg, int):
+            if group != "default":
+                raise TPCompileError(f"no process group registered under {group!r}; call "
+                                     f"tpcompile.collectives.register_group({group!r}, pg)")
+            pg = None
+        return DistBackend(pg)
+    raise TPCompileError(
+        f"collective on group {group!r} has no backend: run under torchrun (with "
+        f"torch.distributed.init_process_group) or inside tpcompile.simulate / simulate_ranks")
+
+
+def world_size_of(group: str) -> int:
+    """The number of ranks in group (an int registered for tracing counts too)."""
+    sim = simulator.current_rank()
+    if sim is not None:
+        return sim.world_size
+    registered = _groups.get(group)
+    if isinstance(registered, int):
+        return registered
+    return current_backend(group).world_size
+
+
+def rank_of(group: str) -> int:
+    """The calling rank's index in group."""
+    return current_backend(group).rank
+
+
+@contextmanager
+def record() -> Iterator[list[CollectiveEvent]]:
+    """Collect a CollectiveEvent for every collective executed on any thread meanwhile."""
+    events: list[CollectiveEvent] = []
+    with _record_lock:
+        _recorders.append(events)
+    try:
+        yield events
+    finally:
+        with _record_lock:
+            _recorders.remove(events)
+
+
+def _phase() -> Literal["forward", "backward"]:
+    """'backward' while the autograd engine runs a backward pass on this thread."""
+    return "backward" if torch._C._current_graph_task_id() >= 0 else "forward"
+
+
+def _run(op: str, x: torch.Tensor, group: str,
+         body: Callable[[Backend], torch.Tensor]) -> torch.Tensor:
+    """Run body on group's backend, recording the call."""
+    backend = current_backend(group)
+    if _recorders:
+        event = CollectiveEvent(op, _phase(), backend.rank,
+                                x.numel() * x.element_size(), tuple(x.shape))
+        with _record_lock:
+            for events in _recorders:
+                events.append(event)
+    return body(backend)
+
+
+def _dim(op: str, x: torch.Tensor, dim: int) -> int:
+    """dim normalised to a non-negative index of x, or a TPCompileError naming op."""
+    if not -x.dim() <= dim < x.dim():
+        raise TPCompileError(f"tpcompile.{op}: dim {dim} is out of range for a {x.dim()}-d tensor")
+    return dim % x.dim()
+
+
+def _split_shape(op: str, x: torch.Tensor, dim: int, ws: int) -> list:
+    """x's shape with dim divided by ws; concrete sizes must divide evenly."""
+    shape = list(x.shape)
+    if isinstance(shape[dim], int) and shape[dim] % ws:
+        raise TPCompileError(f"tpcompile.{op}: size {shape[dim]} of dim {dim} is not "
+                             f"divisible by world size {ws}")
+    shape[dim] = shape[dim] // ws
+    return shape
+
+
+@torch.library.custom_op("tpcompile::all_reduce", mutates_args=())
+def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Sum x over every rank of group."""
+    return _run("all_reduce", x, group, lambda b: b.all_reduce(x))
+
+
+@torch.library.custom_op("tpcompile::all_gather", mutates_args=(), schema=_DIM_SCHEMA)
+def all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    """Concatenate every rank's x along dim in rank order."""
+    d = _dim("all_gather", x, dim)
+    return _run("all_gather", x, group, lambda b: b.all_gather(x, d))
+
+
+@torch.library.custom_op("tpcompile::reduce_scatter", mutates_args=(), schema=_DIM_SCHEMA)
+def reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    """Sum x over ranks and keep this rank's contiguous chunk along dim."""
+    d = _dim("reduce_scatter", x, dim)
+    _split_shape("reduce_scatter", x, d, world_size_of(group))
+    return _run("reduce_scatter", x, group, lambda b: b.reduce_scatter(x, d))
+
+
+@torch.library.custom_op("tpcompile::all_gather_replicated", mutates_args=(),
+                         schema=_DIM_SCHEMA)
+def all_gather_replicated(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    """Concatenate every rank's x along dim; every rank then uses the result identically."""
+    d = _dim("all_gather_replicated", x, dim)
+    return _run("all_gather_replicated", x, group, lambda b: b.all_gather(x, d))
+
+
+@torch.library.custom_op("tpcompile::grad_all_reduce", mutates_args=(),
+                         schema="(Tensor(a) x, str group) -> Tensor(a)")
+def grad_all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Return x unchanged (a view, no copy); the gradient is summed over ranks in backward."""
+    return x.view_as(x)
+
+
+@torch.library.custom_op("tpcompile::scatter", mutates_args=(), schema=_DIM_SCHEMA)
+def scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    """Keep this rank's contiguous chunk of x along dim, without communicating."""
+    d = _dim("scatter", x, dim)
+    ws, rank = world_size_of(group), rank_of(group)
+    n = _split_shape("scatter", x, d, ws)[d]
+    return x.narrow(d, rank * n, n).clone(memory_format=torch.contiguous_format)
+
+
+# Fake kernels: shapes only, so tracing with fake or symbolic sizes never communicates.
+@all_reduce.register_fake
+def _all_reduce_fake(x: torch.Tensor, group: str) -> torch.Tensor:
+    """The shape of all_reduce: x's."""
+    return x.new_empty(x.shape)
+
+
+@all_gather.register_fake
+def _all_gather_fake(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    """The shape of all_gather: dim multiplied by the world size."""
+    d, shape = _dim("all_gather", x, dim), list(x.shape)
+    shape[d] = shape[d] * world_size_of(group)
+    return x.new_empty(shape)
+
+
+@reduce_scatter.register_fake
+def _reduce_scatter_fake(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    """The shape of reduce_scatter: dim divided by the world size."""
+    d = _dim("reduce_scatter", x, dim)
+    return x.new_empty(_split_shape("reduce_scatter", x, d, world_size_of(group)))
+
+
+@grad_all_reduce.register_fake
+def _grad_all_reduce_fake(x: torch.Tensor, group: str) -> torch.Tensor:
+    """grad_all_reduce is a view of x."""
+    return x.view_as(x)
+
+
+all_gather_replicated.register_fake(_all_gather_fake)
+scatter.register_fake(_reduce_scatter_fake)
+
+
+# Backward rules: the Megatron conjugate of each forward.
+def _save_dim_group(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    """Keep dim and group for backward."""
+    ctx.dim, ctx.group = _dim("collective", inputs[0], inputs[1]), inputs[2]
+
+
+def _save_group(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    """Keep group for backward."""
+    ctx.group = inputs[1]
+
+
+def _all_reduce_bwd(ctx: Any, grad: torch.Tensor) -> tuple:
+    """all_reduce's output is replicated, so each rank's gradient passes through unchanged."""
+    return grad, None
+
+
+def _all_gather_bwd(ctx: Any, grad: torch.Tensor) -> tuple:
+    """Sum the gradient over ranks and keep this rank's chunk (reduce-scatter)."""
+    return reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+def _reduce_scatter_bwd(ctx: Any, grad: torch.Tensor) -> tuple:
+    """Gather every rank's chunk gradient into the full gradient (all-gather)."""
+    return all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+def _all_gather_replicated_bwd(ctx: Any, grad: torch.Tensor) -> tuple:
+    """Every rank holds the full gradient already; keep this rank's chunk."""
+    n = grad.shape[ctx.dim] // world_size_of(ctx.group)
+    return grad.narrow(ctx.dim, rank_of(ctx.group) * n, n), None, None
+
+
+def _grad_all_reduce_bwd(ctx: Any, grad: torch.Tensor) -> tuple:
+    """Sum the partial gradients of the replicated input over ranks."""
+    return all_reduce(grad, ctx.group), None
+
+
+all_reduce.register_autograd(_all_reduce_bwd, setup_context=_save_group)
+all_gather.register_autograd(_all_gather_bwd, setup_context=_save_dim_group)
+reduce_scatter.register_autograd(_reduce_scatter_bwd, setup_context=_save_dim_group)
+all_gather_replicated.register_autograd(_all_gather_replicated_bwd,
+                                        setup_context=_save_dim_group)
+grad_all_reduce.register_autograd(_grad_all_reduce_bwd, setup_context=_save_group)
+scatter.register_autograd(_reduce_scatter_bwd, setup_context=_save_dim_group)
+
+
+def _grad_all_reduce_functional(mode: Any, x: torch.Tensor, group: str) -> torch.Tensor:
+    """Under functionalization grad_all_reduce is exactly aten.alias (backward is traced above)."""
+    with mode:
+        return torch.ops.aten.alias.default(x)
+
+
+# torch.compile / aot_autograd reject custom ops returning views; this gives them a functional form.
+torch.ops.tpcompile.grad_all_reduce.default.py_impl(FunctionalTensorMode)(
+    _grad_all_reduce_functional)
