@@ -71,6 +71,7 @@ def _run_once(gm: GraphModule, ctx: PassContext) -> list[tuple[frozenset, str]]:
     grad: dict[Node, bool] = {}
     requests: dict[str, dict[Optional[ParamSlice], set]] = {}
     conflicts: list[tuple[frozenset, str]] = []
+    tainted: set[Node] = set()
 
     def placement(n: Any) -> Any:
         return n.meta.get("tp_placement", REPLICATE) if isinstance(n, Node) else REPLICATE
@@ -96,17 +97,24 @@ def _run_once(gm: GraphModule, ctx: PassContext) -> list[tuple[frozenset, str]]:
             node.meta["tp_layout"] = Layout()
             continue
         res = _result(node, rctx, placement)
-        why = res.conflict or _check_wants(res, placement)
-        if res.demote_self:
+        why, blame = res.conflict, res.blame
+        if why is None:
+            why, blame = _check_wants(res, placement)
+        downstream = any(i in tainted for i in inputs)  # decided on a guess this round: judge next round
+        if res.demote_self and not downstream:
             conflicts.append((frozenset([node]), f"{describe(node)}: {res.demote_self}"))
-        if why:
-            conflicts.append((src, f"{describe(node)}: {why}"))
+        if why or downstream:
+            tainted.add(node)
+        if why and not downstream:
+            blamed = frozenset().union(*(origins.get(b, frozenset()) for b in blame)) if blame else src
+            conflicts.append((blamed or src, f"{describe(node)}: {why}"))
             res = Result(_replicated_like(res.out), [Want(w.node, REPLICATE) for w in res.wants])
         for p, sl in res.params.items():
             requests.setdefault(p.target, {}).setdefault(sl, set()).add(node)
         node.meta["tp_placement"] = res.out
         node.meta["tp_layout"] = Layout(res.role, res.wants, res.localize)
-        origins[node] = src | (frozenset([node]) if res.role in SEED_ROLES else frozenset())
+        if _sharded(res.out):
+            origins[node] = src | (frozenset([node]) if res.role in SEED_ROLES else frozenset())
     ctx.param_slices = {}
     for target, by_slice in requests.items():
         if len(by_slice) > 1:
@@ -152,16 +160,16 @@ def _result(node: Node, rctx: RuleContext, placement: Any) -> Result:
     return res
 
 
-def _check_wants(res: Result, placement: Any) -> Optional[str]:
-    """Why an input cannot be brought to the placement the rule wants, if it cannot."""
+def _check_wants(res: Result, placement: Any) -> tuple[Optional[str], Optional[list[Node]]]:
+    """Why an input cannot be brought to the placement the rule wants, and which, if any."""
     for w in res.wants:
         have = placement(w.node)
         if have == w.placement:
             continue
         if isinstance(have, Replicate) and isinstance(w.placement, Shard) and w.placement.plain:
             continue  # a local slice, no communication
-        return f"input {w.node.name} is {have} but the op needs {w.placement}"
-    return None
+        return f"input {w.node.name} is {have} but the op needs {w.placement}", [w.node]
+    return None, None
 
 
 def _replicated_like(out: Any) -> Any:

@@ -41,6 +41,7 @@ class Result:
     localize: Optional[tuple[str, int, int]] = None  # (kind, arg index, position) of a size literal
     conflict: Optional[str] = None  # why the op cannot run on its sharded inputs
     demote_self: Optional[str] = None  # a seed that cannot be split, and why
+    blame: Optional[list[Node]] = None  # the inputs at fault in a conflict (default: all sharded)
 
 
 def to_size(s: Any) -> Size:

@@ -117,7 +117,7 @@ def sdpa(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     for n in tensors:
         p = ctx.placement(n)
         if isinstance(p, Shard) and p != target:
-            return Result(REPLICATE, [Want(n, REPLICATE) for n in tensors],
+            return Result(REPLICATE, [Want(n, REPLICATE) for n in tensors], blame=[n],
                           conflict=f"attention input sharded as {p}, expected whole heads (dim 1)")
     wants = []
     for n in (q, k, v):

@@ -1,0 +1,102 @@
+"""Hugging Face architectures shard automatically and equal the original."""
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+
+import tpcompile
+
+pytest.importorskip("transformers")
+from hf_models import ARCHS, build, inputs  # noqa: E402
+
+LAYER = re.compile(r"(?:^|\.)(?:h|layers|layer)\.(\d+)(?:\.|$)")
+
+
+def layer_of(path: str) -> str | None:
+    """The decoder/encoder layer index a module path lies in, if any."""
+    m = LAYER.search(path)
+    return m.group(1) if m else None
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+@pytest.mark.parametrize("arch", ARCHS, ids=[a.name for a in ARCHS])
+def test_hf_ranks_equal_original(arch, ws: int) -> None:
+    """Every rank's output equals the original within 1e-4 on a new batch and length."""
+    model = build(arch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tpcompile.TPCompileWarning)
+        sm = tpcompile.shard(model, ws, example_kwargs=inputs(arch, 2, 8))
+    kw = inputs(arch, 3, 13)
+    with torch.no_grad():
+        ref = model(**kw)[arch.output]
+        outs = tpcompile.simulate(sm, **kw)
+    for r, out in enumerate(outs):
+        assert type(out).__name__ == type(model(**kw)).__name__
+        torch.testing.assert_close(out[arch.output], ref, atol=1e-4, rtol=0, msg=lambda m: f"rank {r}: {m}")
+
+
+@pytest.mark.parametrize("arch", ARCHS, ids=[a.name for a in ARCHS])
+def test_hf_collectives_per_layer(arch) -> None:
+    """2 forward collectives per layer, at most one for the embedding and one for the head."""
+    sm = tpcompile.shard(build(arch), 2, example_kwargs=inputs(arch, 2, 8))
+    per_layer: dict[str, list[str]] = {}
+    outside: list[str] = []
+    for op, path in sm.collectives():
+        layer = layer_of(path)
+        (per_layer.setdefault(layer, []) if layer is not None else outside).append(op)
+    assert sorted(per_layer) == ["0", "1"], per_layer
+    for ops in per_layer.values():
+        assert ops == ["all_reduce", "all_reduce"]
+    assert outside.count("all_reduce") <= 1 and outside.count("all_gather_replicated") <= 1
+    assert len(outside) == 2, outside  # every model here splits its embedding and its head
+    assert not sm.plan.warnings
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_llama_gqa_fewer_kv_heads_than_ranks(ws: int) -> None:
+    """1 kv head at 2 and 4 ranks: k/v projections are replicated, q heads split, outputs equal."""
+    from hf_models import ARCHS as all_archs
+    arch = next(a for a in all_archs if a.name == "llama")
+    model = build(arch, num_key_value_heads=1)
+    with pytest.warns(tpcompile.TPCompileWarning, match=r"at model\.layers\.0\.self_attn: .*replicating model\.layers\.0\.self_attn\.k_proj"):
+        sm = tpcompile.shard(model, ws, example_kwargs=inputs(arch, 2, 8))
+    assert sm.plan.modules["model.layers.0.self_attn.q_proj"] == "column"
+    assert sm.plan.modules["model.layers.0.self_attn.k_proj"] == "replicated"
+    assert sm.plan.modules["model.layers.0.self_attn.o_proj"] == "row"
+    kw = inputs(arch, 2, 11)
+    with torch.no_grad():
+        ref = model(**kw).logits
+        for out in tpcompile.simulate(sm, **kw):
+            torch.testing.assert_close(out.logits, ref, atol=1e-4, rtol=0)
+
+
+def test_hf_heads_not_divisible_warns_and_matches() -> None:
+    """GPT-2 with 6 heads at 4 ranks: attention replicated, warned by layer and reason."""
+    from hf_models import ARCHS as all_archs
+    arch = next(a for a in all_archs if a.name == "gpt2")
+    model = build(arch, n_head=6, n_embd=48)
+    with pytest.warns(tpcompile.TPCompileWarning) as rec:
+        sm = tpcompile.shard(model, 4, example_kwargs=inputs(arch, 2, 8))
+    text = " ".join(str(w.message) for w in rec)
+    assert "transformer.h.0.attn" in text and "6 is not divisible by world size 4" in text
+    assert sm.plan.modules["transformer.h.0.attn.c_attn"] == "replicated"
+    kw = inputs(arch, 2, 9)
+    with torch.no_grad():
+        ref = model(**kw).logits
+        for out in tpcompile.simulate(sm, **kw):
+            torch.testing.assert_close(out.logits, ref, atol=1e-4, rtol=0)
+
+
+def test_gpt2_conv1d_and_tied_head() -> None:
+    """GPT-2's Conv1D c_attn is sliced per q/k/v segment; wte and lm_head stay one parameter."""
+    from hf_models import ARCHS as all_archs
+    arch = next(a for a in all_archs if a.name == "gpt2")
+    sm = tpcompile.shard(build(arch), 2, example_kwargs=inputs(arch, 2, 8))
+    p = sm.plan.parameters["transformer.h.0.attn.c_attn.weight"]
+    assert (p.role, p.dim, p.segments, p.local_shape) == ("column", 1, (64, 64, 64), (64, 96))
+    gm = sm.rank(1)
+    assert gm.get_parameter("lm_head.weight") is gm.get_parameter("transformer.wte.weight")
+    assert gm.get_parameter("lm_head.weight").shape == (64, 64)
