@@ -164,10 +164,9 @@ def shard(model: nn.Module, world_size: int, *, example_inputs: Any = (), exampl
     """Split `model` over `world_size` ranks; returns one GraphModule per rank and the plan."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise TPCompileError(f"world_size must be an int >= 1, got {world_size!r}")
-    if sequence_parallel:
-        raise TPCompileError("sequence_parallel=True is not available yet; shard without it")
     cap = capture(model, example_inputs, example_kwargs, dynamic_shapes)  # capture: torch.export
-    ctx = PassContext(world_size, group=group, plan=_check_plan(plan, cap.module_paths))
+    ctx = PassContext(world_size, group=group, plan=_check_plan(plan, cap.module_paths),
+                      sequence_parallel=bool(sequence_parallel))
     gm = annotate_pass(cap.gm, ctx)  # annotate: rule per op, fused-projection segments
     gm = propagate_pass(gm, ctx)  # propagate: placements, column/row/vocab roles
     gm = verify_pass(gm, ctx)  # verify: parameter slices tile each parameter

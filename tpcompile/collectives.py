@@ -160,7 +160,8 @@ def _split_shape(op: str, x: torch.Tensor, dim: int, ws: int) -> list:
     shape = list(x.shape)
     if isinstance(shape[dim], int) and shape[dim] % ws:
         raise TPCompileError(f"tpcompile.{op}: size {shape[dim]} of dim {dim} is not "
-                             f"divisible by world size {ws}")
+                             f"divisible by world size {ws} (with sequence_parallel=True the "
+                             f"sequence length must be a multiple of the world size)")
     shape[dim] = shape[dim] // ws
     return shape
 

@@ -7,7 +7,7 @@ is the one-segment case. DTensor's `Shard(dim)` has no segments, hence these sma
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Union
 
 
@@ -25,10 +25,11 @@ class Shard:
 
     dim: int
     segments: Optional[tuple[int, ...]] = None
+    seq: bool = False  # sequence parallel: tokens split outside the tensor-parallel regions
 
     def __str__(self) -> str:
         seg = "" if self.segments is None else f"|{'+'.join(map(str, self.segments))}"
-        return f"S({self.dim}{seg})"
+        return f"S({self.dim}{seg}){'seq' if self.seq else ''}"
 
     @property
     def plain(self) -> bool:
@@ -52,6 +53,11 @@ def shard(dim: int, segments: Optional[Sequence[int]] = None) -> Shard:
     """A Shard with a one-segment list normalised to a plain shard."""
     segs = None if segments is None or len(segments) <= 1 else tuple(int(s) for s in segments)
     return Shard(dim, segs)
+
+
+def moved(p: Shard, dim: int) -> Shard:
+    """The same sharding (segments, sequence flag) on another dim."""
+    return replace(p, dim=dim)
 
 
 def segment_ranges(size: int, segments: Optional[Sequence[int]], rank: int, world_size: int) -> list[tuple[int, int]]:

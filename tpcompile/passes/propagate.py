@@ -85,6 +85,7 @@ def _run_once(gm: GraphModule, ctx: PassContext) -> list[tuple[frozenset, str]]:
     rctx = RuleContext(ctx.world_size, placement, lambda n: grad.get(n, False), param,
                        _is_user_input, lambda n: n in ctx.demoted,
                        lambda n: n.meta["tp_rule"].get("segments"))
+    rctx.sequence_parallel = ctx.sequence_parallel
     for node in gm.graph.nodes:
         inputs = node.all_input_nodes
         src = frozenset().union(*(origins.get(i, frozenset()) for i in inputs if _sharded(placement(i))))
@@ -100,6 +101,8 @@ def _run_once(gm: GraphModule, ctx: PassContext) -> list[tuple[frozenset, str]]:
         why, blame = res.conflict, res.blame
         if why is None:
             why, blame = _check_wants(res, placement)
+        if why and any(_is_seq(placement(i)) for i in inputs):
+            res, why, blame = _gathering_seq(node, rctx, placement, res, why, blame)
         downstream = any(i in tainted for i in inputs)  # decided on a guess this round: judge next round
         if res.demote_self and not downstream:
             conflicts.append((frozenset([node]), f"{describe(node)}: {res.demote_self}"))
@@ -113,7 +116,7 @@ def _run_once(gm: GraphModule, ctx: PassContext) -> list[tuple[frozenset, str]]:
             requests.setdefault(p.target, {}).setdefault(sl, set()).add(node)
         node.meta["tp_placement"] = res.out
         node.meta["tp_layout"] = Layout(res.role, res.wants, res.localize)
-        if _sharded(res.out):
+        if _sharded(res.out) and not _is_seq(res.out):
             origins[node] = src | (frozenset([node]) if res.role in SEED_ROLES else frozenset())
     ctx.param_slices = {}
     for target, by_slice in requests.items():
@@ -122,6 +125,21 @@ def _run_once(gm: GraphModule, ctx: PassContext) -> list[tuple[frozenset, str]]:
             conflicts.append((users, f"parameter {target} is used both split and whole"))
         ctx.param_slices[target] = next(iter(by_slice)) if len(by_slice) == 1 else None
     return conflicts
+
+
+def _is_seq(p: Any) -> bool:
+    """True for a sequence-parallel (token) sharding."""
+    return isinstance(p, Shard) and p.seq
+
+
+def _gathering_seq(node: Node, rctx: RuleContext, placement: Any, res: Result, why: str, blame: Any) -> tuple:
+    """Retry an op that cannot take token-split inputs with those inputs gathered first."""
+    gathered = {i for i in node.all_input_nodes if _is_seq(placement(i))}
+    def view(n: Any) -> Any:
+        return REPLICATE if n in gathered else placement(n)
+    retry = _result(node, rctx.seeing(view), view)
+    again = retry.conflict or _check_wants(retry, view)[0]
+    return (res, why, blame) if again else (retry, None, None)
 
 
 def _sharded(p: Any) -> bool:
@@ -168,6 +186,8 @@ def _check_wants(res: Result, placement: Any) -> tuple[Optional[str], Optional[l
             continue
         if isinstance(have, Replicate) and isinstance(w.placement, Shard) and w.placement.plain:
             continue  # a local slice, no communication
+        if _is_seq(have) and isinstance(w.placement, Replicate):
+            continue  # an all-gather of the tokens
         return f"input {w.node.name} is {have} but the op needs {w.placement}", [w.node]
     return None, None
 

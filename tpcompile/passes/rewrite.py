@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import operator
+
 import torch
 from torch import fx, nn
 from torch.fx import GraphModule, Node
@@ -35,6 +37,11 @@ class _Emitter:
     def converted(self, w: Want) -> Node:
         """The new-graph value of an input, redistributed to what the consuming op wants."""
         have, src = w.node.meta.get("tp_placement"), self.env[w.node]
+        if isinstance(have, Shard) and have.seq and isinstance(w.placement, Replicate):
+            # region entry under sequence parallelism: gather the tokens; a split consumer's
+            # gradient is partial, so it is reduce-scattered back (all_gather's backward)
+            op = tp.all_gather.default if w.grad_sync else tp.all_gather_replicated.default
+            return self._once((op, w.node), op, src, have.dim, self.ctx.group)
         if isinstance(have, Replicate) and isinstance(w.placement, Shard):
             return self._once(("scatter", w.node, w.placement.dim), tp.scatter.default,
                               src, w.placement.dim, self.ctx.group)
@@ -71,7 +78,7 @@ def rewrite_pass(gm: GraphModule, ctx: PassContext, rank: int) -> GraphModule:
         else:
             new = em.graph.node_copy(node, lookup)
             if layout.localize:
-                new.args = _localize(new, layout.localize, em.ws)
+                new.args = _localize(em, new, layout.localize)
             if isinstance(node.meta.get("tp_placement"), (Shard, tuple)):
                 new.meta.pop("val", None)
                 new.meta.pop("tensor_meta", None)
@@ -100,8 +107,25 @@ def _emit_row(em: _Emitter, node: Node, lookup: Callable[[Node], Node]) -> Node:
         y = em.call(aten.matmul.default, x, w)
     else:
         y = em.call(aten.mm.default, x, w)
-    y = em.call(tp.all_reduce.default, y, em.ctx.group)
-    return em.call(aten.add.Tensor, y, lookup(bias)) if isinstance(bias, Node) else y
+    y = _reduce(em, node, y)
+    if not isinstance(bias, Node):
+        return y
+    b = lookup(bias)
+    if _is_seq(node.meta.get("tp_placement")):  # each rank adds the bias to its own tokens only
+        b = em._once(("grad_all_reduce", bias), tp.grad_all_reduce.default, b, em.ctx.group)
+    return em.call(aten.add.Tensor, y, b)
+
+
+def _is_seq(p: Any) -> bool:
+    return isinstance(p, Shard) and p.seq
+
+
+def _reduce(em: _Emitter, node: Node, y: Node) -> Node:
+    """Sum the ranks' partial results: all-reduce, or reduce-scatter by tokens under SP."""
+    p = node.meta.get("tp_placement")
+    if _is_seq(p):
+        return em.call(tp.reduce_scatter.default, y, p.dim, em.ctx.group)
+    return em.call(tp.all_reduce.default, y, em.ctx.group)
 
 
 def _emit_vocab(em: _Emitter, node: Node, lookup: Callable[[Node], Node]) -> Node:
@@ -115,17 +139,21 @@ def _emit_vocab(em: _Emitter, node: Node, lookup: Callable[[Node], Node]) -> Nod
     pad = pad - start if start <= pad < stop else -1
     rows = em.call(aten.embedding.default, w, local, pad, *node.args[3:])
     rows = em.call(aten.masked_fill.Scalar, rows, em.call(aten.unsqueeze.default, outside, -1), 0.0)
-    return em.call(tp.all_reduce.default, rows, em.ctx.group)
+    return _reduce(em, node, rows)
 
 
-def _localize(node: Node, loc: tuple[str, int, int], ws: int) -> tuple:
-    """Divide the size literal of the sharded dim by the world size."""
+def _localize(em: _Emitter, node: Node, loc: tuple[str, int, int]) -> tuple:
+    """Divide the size of the sharded dim (a literal, or a run-time size) by the world size."""
     kind, i, pos = loc
+    ws = em.ws
     args = list(node.args)
     if kind == "shape":
         sizes = list(args[i])
         if isinstance(sizes[pos], int) and sizes[pos] != -1:
             sizes[pos] = sizes[pos] // ws
+        elif isinstance(sizes[pos], Node):
+            with em.graph.inserting_before(node):
+                sizes[pos] = em.call(operator.floordiv, sizes[pos], ws)
         args[i] = sizes
     elif kind == "split" and node.target is not aten.chunk.default:
         args[i] = [s // ws for s in args[i]] if isinstance(args[i], (list, tuple)) else args[i] // ws

@@ -1,6 +1,7 @@
 """What a sharding rule can ask about the graph, and what it answers."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -83,6 +84,20 @@ class RuleContext:
         self.is_user_input = is_user_input
         self.demoted = demoted
         self.segment_hint = segment_hint
+        self.sequence_parallel = False
+
+    def seeing(self, placement_of: Callable[[Node], Placement]) -> "RuleContext":
+        """The same context with placements read through `placement_of`."""
+        other = copy.copy(self)
+        other.placement = placement_of
+        return other
+
+    def reduced(self, node: Node) -> Placement:
+        """Where a row split's sum lands: split by tokens under sequence parallelism, else whole."""
+        shape = self.shape(node)
+        if self.sequence_parallel and shape is not None and len(shape) >= 3 and not isinstance(shape[1], int):
+            return Shard(1, seq=True)
+        return REPLICATE
 
     @staticmethod
     def shape(node: Any) -> Optional[tuple[Size, ...]]:

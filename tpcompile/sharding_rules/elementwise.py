@@ -5,7 +5,7 @@ from typing import Any
 
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Replicate, Shard
+from tpcompile.placement import REPLICATE, Replicate, Shard, moved
 from tpcompile.sharding_rules.context import Result, RuleContext, Want, norm_dim
 from tpcompile.sharding_rules.table import RuleSpec
 
@@ -27,7 +27,7 @@ def pointwise(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     for n in inputs:
         p = ctx.placement(n)
         if isinstance(p, Shard):
-            targets.add(Shard(p.dim + nout - len(ctx.shape(n)), p.segments))
+            targets.add(moved(p, p.dim + nout - len(ctx.shape(n))))
     if len(targets) > 1:
         return Result(REPLICATE, [Want(n, REPLICATE) for n in inputs],
                       conflict=f"operands sharded differently ({', '.join(map(str, targets))})")
@@ -40,7 +40,7 @@ def pointwise(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
             continue
         d = target.dim - (nout - len(shape))
         if d >= 0 and shape[d] != 1:
-            wants.append(Want(n, Shard(d, target.segments)))
+            wants.append(Want(n, moved(target, d)))
         else:
             wants.append(ctx.replicated_want(n, target))
     return Result(target, wants)
@@ -74,7 +74,7 @@ def reduce(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     k = spec.get("keepdim_arg")
     keep = node.args[k] if k is not None and k < len(node.args) else node.kwargs.get("keepdim", False)
     shift = 0 if keep else sum(d < p.dim for d in dims)
-    return Result(Shard(p.dim - shift, p.segments), [Want(x, p)])
+    return Result(moved(p, p.dim - shift), [Want(x, p)])
 
 
 def norm(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:

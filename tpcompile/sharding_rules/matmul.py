@@ -5,7 +5,7 @@ from typing import Any, Optional
 
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Replicate, Shard, shard
+from tpcompile.placement import REPLICATE, Replicate, Shard, moved, shard
 from tpcompile.sharding_rules.context import ParamSlice, Result, RuleContext, Want, norm_dim
 from tpcompile.sharding_rules.table import RuleSpec
 
@@ -29,7 +29,7 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         params[b] = None
     if ctx.demoted(node):
         return Result(REPLICATE, [Want(x, REPLICATE)], role="replicate", params=params)
-    if isinstance(px, Replicate):
+    if isinstance(px, Replicate) or (isinstance(px, Shard) and px.seq):
         segments = ctx.segment_hint(node) or (wshape[out_dim],)
         bad = [s for s in segments if s % ctx.world_size]
         if bad:
@@ -43,7 +43,7 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return Result(out, [ctx.replicated_want(x, out)], role="column", params=params)
     if isinstance(px, Shard) and px.dim == len(xshape) - 1:
         params[w] = ParamSlice(in_dim, px.segments)
-        return Result(REPLICATE, [Want(x, px)], role="row", params=params)
+        return Result(ctx.reduced(node), [Want(x, px)], role="row", params=params)
     return Result(REPLICATE, [Want(x, REPLICATE)], params=params,
                   conflict=f"input is sharded on dim {px.dim}, not on the contracted dim")
 
@@ -66,9 +66,9 @@ def activation_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         d = _out_dim(p.dim, len(shape), nout, is_a)
         if d is None:
             return Result(REPLICATE, everything_replicated, conflict="sharded along the contracted dim")
-        if target is not None and target != Shard(d, p.segments):
+        if target is not None and target != moved(p, d):
             return Result(REPLICATE, everything_replicated, conflict="operands sharded differently")
-        target = Shard(d, p.segments)
+        target = moved(p, d)
     wants = []
     for n, shape, is_a in operands:
         p = ctx.placement(n)
@@ -77,7 +77,7 @@ def activation_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
             continue
         d = target.dim - (nout - len(shape))
         if d >= 0 and _out_dim(d, len(shape), nout, is_a) == target.dim and shape[d] != 1:
-            wants.append(Want(n, Shard(d, target.segments)))
+            wants.append(Want(n, moved(target, d)))
         else:
             wants.append(ctx.replicated_want(n, target))
     return Result(target, wants)
@@ -103,7 +103,7 @@ def embedding(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return Result(REPLICATE, [Want(idx, REPLICATE)], role="replicate", params=params,
                       demote_self=f"vocabulary {wshape[0]} not divisible by world size {ctx.world_size}")
     params[w] = ParamSlice(0, None)
-    return Result(REPLICATE, [Want(idx, REPLICATE)], role="vocab", params=params)
+    return Result(ctx.reduced(node), [Want(idx, REPLICATE)], role="vocab", params=params)
 
 
 def sdpa(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:

@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 import sympy
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Replicate, Shard, shard
+from tpcompile.placement import REPLICATE, Replicate, Shard, moved, shard
 from tpcompile.sharding_rules.context import Result, RuleContext, Size, Want, norm_dim, prod, sizes_equal
 from tpcompile.sharding_rules.table import RuleSpec
 
@@ -60,6 +60,8 @@ def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: i
     for gi, gj in groups:
         if p.dim not in gi:
             continue
+        if len(gi) == 1 and len(gj) == 1:
+            return moved(p, gj[0]), ""
         t = gi.index(p.dim)
         outer, inner = prod([ins[d] for d in gi[:t]]), prod([ins[d] for d in gi[t + 1:]])
         if not isinstance(outer, int) or not isinstance(inner, int):
@@ -110,7 +112,7 @@ def expand(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return done
     x = node.args[0]
     p = ctx.placement(x)
-    out = Shard(p.dim + len(ctx.shape(node)) - len(ctx.shape(x)), p.segments)
+    out = moved(p, p.dim + len(ctx.shape(node)) - len(ctx.shape(x)))
     return Result(out, [Want(x, p)], localize=("shape", 1, out.dim))
 
 
@@ -123,7 +125,7 @@ def transpose(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     p, nd = ctx.placement(x), len(ctx.shape(x))
     d0, d1 = (norm_dim(node.args[1], nd), norm_dim(node.args[2], nd)) if len(node.args) > 2 else (0, 1)
     d = d1 if p.dim == d0 else d0 if p.dim == d1 else p.dim
-    return Result(Shard(d, p.segments), [Want(x, p)])
+    return Result(moved(p, d), [Want(x, p)])
 
 
 def permute(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
@@ -134,7 +136,7 @@ def permute(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     x = node.args[0]
     p, nd = ctx.placement(x), len(ctx.shape(x))
     dims = [norm_dim(d, nd) for d in node.args[1]]
-    return Result(Shard(dims.index(p.dim), p.segments), [Want(x, p)])
+    return Result(moved(p, dims.index(p.dim)), [Want(x, p)])
 
 
 def _dim(node: Node, spec: RuleSpec, ndim: int) -> int:
@@ -178,7 +180,7 @@ def unbind(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     dim = _dim(node, spec, len(ctx.shape(x)))
     if dim == p.dim:
         return _fail(node, "unbind along the sharded dim")
-    out = Shard(p.dim - (dim < p.dim), p.segments)
+    out = moved(p, p.dim - (dim < p.dim))
     return Result(tuple(out for _ in range(n)), [Want(x, p)])
 
 
@@ -220,4 +222,4 @@ def select(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     dim = _dim(node, spec, len(ctx.shape(x)))
     if dim == p.dim:
         return _fail(node, "select along the sharded dim")
-    return Result(Shard(p.dim - (dim < p.dim), p.segments), [Want(x, p)])
+    return Result(moved(p, p.dim - (dim < p.dim)), [Want(x, p)])
