@@ -14,7 +14,7 @@ from tpcompile.capture import capture
 from tpcompile.errors import TPCompileError
 from tpcompile.passes.annotate import annotate_pass
 from tpcompile.passes.context import PLAN_VALUES, PassContext, module_path, owner_path
-from tpcompile.passes.propagate import propagate_pass
+from tpcompile.passes.propagate import propagate_pass, seed_path
 from tpcompile.passes.rewrite import local_tensor, rewrite_pass
 from tpcompile.passes.verify import collective_signature, verify_pass, verify_rank
 
@@ -122,21 +122,21 @@ def _make_plan(gm: GraphModule, ctx: PassContext) -> Plan:
         spec = node.meta.get("tp_rule")
         if layout is None or spec is None or spec.rule not in ("weight_matmul", "embedding"):
             continue
-        w = node.args[spec.get("weight", 0)] if spec.rule == "weight_matmul" else node.args[0]
-        if getattr(w, "op", None) == "get_attr":
-            role = layout.role if layout.role in ("column", "row", "vocab") else "replicated"
-            plan.modules[owner_path(w.target)] = role
+        path = seed_path(node)
+        if path is not None:
+            plan.modules[path] = layout.role if layout.role in ("column", "row", "vocab") else "replicated"
     for seed, why in ctx.demoted.items():
-        w = seed.args[seed.meta["tp_rule"].get("weight", 0)]
-        if getattr(w, "op", None) == "get_attr":
-            plan.replicated[owner_path(w.target)] = why
+        if seed_path(seed) is not None:
+            plan.replicated[seed_path(seed)] = why
     seen: set[int] = set()
     for name, t in ctx.tensors.items():
         if not isinstance(t, nn.Parameter) or id(t) in seen:
             continue
         seen.add(id(t))
         sl = ctx.slice_for(name)
-        role = plan.modules.get(owner_path(name), "replicated") if sl is not None else "replicated"
+        owners = [owner_path(n) for n, other in ctx.tensors.items() if other is t]
+        roles = [plan.modules[o] for o in owners if o in plan.modules]
+        role = next((r for r in roles if r != "replicated"), "replicated") if sl is not None else "replicated"
         local = tuple(local_tensor(torch.empty(t.shape, device="meta"), sl, 0, ctx.world_size).shape)
         plan.parameters[name] = ParamPlan(name, role, None if sl is None else sl.dim,
                                           None if sl is None else sl.segments, tuple(t.shape), local)

@@ -41,9 +41,9 @@ class Layout:
 
 def propagate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Write node.meta['tp_placement'] and ['tp_layout'], replicating regions that cannot be split."""
-    seeds = [n for n in gm.graph.nodes if _seed_path(n) is not None]
+    seeds = [n for n in gm.graph.nodes if seed_path(n) is not None]
     for n in seeds:
-        if ctx.plan_for(_seed_path(n)) == "replicate":
+        if ctx.plan_for(seed_path(n)) == "replicate":
             ctx.demoted[n] = "replicated by the plan"
     for ctx.iterations in range(1, len(seeds) + 2):
         conflicts = _run_once(gm, ctx)
@@ -56,13 +56,15 @@ def propagate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
     return gm
 
 
-def _seed_path(node: Node) -> Optional[str]:
+def seed_path(node: Node) -> Optional[str]:
     """The module path of a weight op (matmul with a parameter, embedding), else None."""
     spec = node.meta.get("tp_rule")
     if node.op != "call_function" or spec is None or spec.rule not in ("weight_matmul", "embedding"):
         return None
     w = node.args[spec.get("weight", 0)] if spec.rule == "weight_matmul" else node.args[0]
-    return owner_path(w.target) if isinstance(w, Node) and w.op == "get_attr" else None
+    if not (isinstance(w, Node) and w.op == "get_attr"):
+        return None
+    return module_path(node) or owner_path(w.target)  # the calling module: tied weights have two
 
 
 def _run_once(gm: GraphModule, ctx: PassContext) -> list[tuple[frozenset, str]]:
@@ -198,7 +200,7 @@ def _replicated_like(out: Any) -> Any:
 
 def _output(node: Node, placement: Any, src: frozenset, ctx: PassContext) -> list:
     """Sharded results are gathered once at the end (or left sharded when the plan says so)."""
-    keep = bool(src) and all(ctx.plan_for(_seed_path(o) or "") == "sharded_output" for o in src)
+    keep = bool(src) and all(ctx.plan_for(seed_path(o) or "") == "sharded_output" for o in src)
     node.meta["tp_layout"] = Layout("output", [], gather_output=not keep)
     node.meta["tp_placement"] = REPLICATE
     for n in node.all_input_nodes:
@@ -224,7 +226,7 @@ def _warn(ctx: PassContext) -> None:
     by_reason: dict[str, list[str]] = {}
     for seed, why in ctx.demoted.items():
         if why != "replicated by the plan":
-            by_reason.setdefault(why, []).append(_seed_path(seed) or seed.name)
+            by_reason.setdefault(why, []).append(seed_path(seed) or seed.name)
     for why, paths in by_reason.items():
         msg = f"{why}; replicating {', '.join(sorted(set(paths)))} (results stay exact, this part is not split)"
         ctx.warnings.append(msg)
