@@ -7,6 +7,7 @@ from typing import Any, Optional
 import torch
 from torch.fx import Node
 
+from tpcompile.errors import TPCompileError
 from tpcompile.sharding_rules.context import ParamSlice
 
 PLAN_VALUES = ("auto", "replicate", "sharded_output")
@@ -55,6 +56,14 @@ def module_path(node: Node) -> str:
 def owner_path(target: str) -> str:
     """'blocks.0.attn.c_attn.weight' -> 'blocks.0.attn.c_attn'."""
     return target.rpartition(".")[0]
+
+
+def internal_error(pass_name: str, node: Node, err: Exception) -> TPCompileError:
+    """A failure inside a pass, naming the pass and the node it was working on."""
+    return TPCompileError(f"{pass_name} pass failed on {node.format_node()} ({describe(node)}): "
+                          f"{type(err).__name__}: {err}. Replicating the module with "
+                          f"plan={{'{module_path(node) or 'its module'}': 'replicate'}} avoids it; "
+                          f"please report it with the model")
 
 
 def describe(node: Node) -> str:

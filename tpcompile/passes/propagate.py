@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from tpcompile.passes.context import PassContext, describe, module_path, owner_path
+from tpcompile.passes.context import PassContext, describe, internal_error, module_path, owner_path
 from tpcompile.placement import REPLICATE, Replicate, Shard
 from tpcompile.sharding_rules.context import ParamSlice, Result, RuleContext, Want
 from tpcompile.sharding_rules.rules import apply_rule
@@ -99,7 +99,10 @@ def _run_once(gm: GraphModule, ctx: PassContext) -> list[tuple[frozenset, str]]:
             node.meta["tp_placement"] = REPLICATE
             node.meta["tp_layout"] = Layout()
             continue
-        res = _result(node, rctx, placement)
+        try:
+            res = _result(node, rctx, placement)
+        except Exception as e:  # a rule bug: name the node and pass, keep the cause
+            raise internal_error("propagate", node, e) from e
         why, blame = res.conflict, res.blame
         if why is None:
             why, blame = _check_wants(res, placement)

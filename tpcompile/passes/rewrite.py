@@ -10,8 +10,8 @@ from torch import fx, nn
 from torch.fx import GraphModule, Node
 
 import tpcompile.collectives  # noqa: F401  (registers torch.ops.tpcompile.*)
-import tpcompile.rng  # noqa: F401  (registers torch.ops.tpcompile_rng.*)
-from tpcompile.passes.context import PassContext
+from tpcompile.passes.context import PassContext, internal_error
+from tpcompile.passes.rewrite_dropout import emit_dropout, emit_sdpa_with_dropout, is_live_dropout, sdpa_dropout
 from tpcompile.placement import Replicate, Shard, segment_ranges
 from tpcompile.sharding_rules.context import Want
 
@@ -60,35 +60,43 @@ def rewrite_pass(gm: GraphModule, ctx: PassContext, rank: int) -> GraphModule:
     """Return rank `rank`'s GraphModule: same inputs and outputs as the model, local weights."""
     em = _Emitter(gm, ctx, rank)
     for node in gm.graph.nodes:
-        em.current = node
-        layout = node.meta.get("tp_layout")
-        if node.op == "output":
-            _emit_output(em, node, layout.gather_output)
-            continue
-        if layout is None or node.op != "call_function":
-            em.env[node] = em.graph.node_copy(node, lambda n: em.env[n])
-            continue
-        repl = {w.node: em.converted(w) for w in layout.wants}
-        lookup: Callable[[Node], Node] = lambda n: repl.get(n, em.env[n])  # noqa: E731
-        if layout.role == "row":
-            em.env[node] = _emit_row(em, node, lookup)
-        elif layout.role == "vocab":
-            em.env[node] = _emit_vocab(em, node, lookup)
-        elif _drop_metadata_assert(node):
-            continue
-        elif _is_live_dropout(node):
-            em.env[node] = _emit_dropout(em, node, lookup)
-        elif node.target is aten.scaled_dot_product_attention.default and _sdpa_dropout(node) > 0:
-            em.env[node] = _emit_sdpa_with_dropout(em, node, lookup)
-        else:
-            new = em.graph.node_copy(node, lookup)
-            if layout.localize:
-                new.args = _localize(em, new, layout.localize)
-            if isinstance(node.meta.get("tp_placement"), (Shard, tuple)):
-                new.meta.pop("val", None)
-                new.meta.pop("tensor_meta", None)
-            em.env[node] = new
+        try:
+            _rewrite_node(em, node)
+        except Exception as e:  # name the node and pass, keep the cause
+            raise internal_error("rewrite", node, e) from e
     return _module(gm, ctx, rank, em.graph)
+
+
+def _rewrite_node(em: _Emitter, node: Node) -> None:
+    """Emit the rank-local replacement of one node."""
+    em.current = node
+    layout = node.meta.get("tp_layout")
+    if node.op == "output":
+        _emit_output(em, node, layout.gather_output)
+        return
+    if layout is None or node.op != "call_function":
+        em.env[node] = em.graph.node_copy(node, lambda n: em.env[n])
+        return
+    repl = {w.node: em.converted(w) for w in layout.wants}
+    lookup: Callable[[Node], Node] = lambda n: repl.get(n, em.env[n])  # noqa: E731
+    if layout.role == "row":
+        em.env[node] = _emit_row(em, node, lookup)
+    elif layout.role == "vocab":
+        em.env[node] = _emit_vocab(em, node, lookup)
+    elif _drop_metadata_assert(node):
+        return
+    elif is_live_dropout(node):
+        em.env[node] = emit_dropout(em, node, lookup)
+    elif node.target is aten.scaled_dot_product_attention.default and sdpa_dropout(node) > 0:
+        em.env[node] = emit_sdpa_with_dropout(em, node, lookup)
+    else:
+        new = em.graph.node_copy(node, lookup)
+        if layout.localize:
+            new.args = _localize(em, new, layout.localize)
+        if isinstance(node.meta.get("tp_placement"), (Shard, tuple)):
+            new.meta.pop("val", None)
+            new.meta.pop("tensor_meta", None)
+        em.env[node] = new
 
 
 def _emit_output(em: _Emitter, node: Node, gather: bool) -> None:
@@ -163,64 +171,6 @@ def _localize(em: _Emitter, node: Node, loc: tuple[str, int, int]) -> tuple:
     elif kind == "split" and node.target is not aten.chunk.default:
         args[i] = [s // ws for s in args[i]] if isinstance(args[i], (list, tuple)) else args[i] // ws
     return tuple(args)
-
-
-def _is_live_dropout(node: Node) -> bool:
-    """aten.dropout that is on (training, p > 0): its mask must come from a rank stream."""
-    if node.target is not aten.dropout.default:
-        return False
-    p, train = node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
-    return bool(train) and isinstance(p, (int, float)) and p > 0
-
-
-def _emit_dropout(em: _Emitter, node: Node, lookup: Callable[[Node], Node]) -> Node:
-    """x * mask, the mask drawn from the replicated or this rank's own stream."""
-    return _masked(em, lookup(node.args[0]), float(node.args[1]), node.meta.get("tp_placement"))
-
-
-def _masked(em: _Emitter, x: Node, p: float, placement: Any) -> Node:
-    stream = "sharded" if isinstance(placement, Shard) else "replicated"
-    mask = em.call(torch.ops.tpcompile_rng.dropout_mask.default, x, p, stream, em.ctx.group)
-    return em.call(aten.mul.Tensor, x, mask)
-
-
-_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-
-
-def _sdpa_args(node: Node) -> dict:
-    out = dict(zip(_SDPA_ARGS, node.args))
-    out.update(node.kwargs)
-    return out
-
-
-def _sdpa_dropout(node: Node) -> float:
-    p = _sdpa_args(node).get("dropout_p", 0.0)
-    return float(p) if isinstance(p, (int, float)) else 0.0
-
-
-def _emit_sdpa_with_dropout(em: _Emitter, node: Node, lookup: Callable[[Node], Node]) -> Node:
-    """Attention with dropout spelled out, so its mask comes from a rank stream: (B, h, L, S)."""
-    a = _sdpa_args(node)
-    q, k, v = lookup(a["query"]), lookup(a["key"]), lookup(a["value"])
-    if a.get("enable_gqa"):
-        raise NotImplementedError("dropout inside grouped-query SDPA")
-    head_dim = int(a["query"].meta["val"].shape[-1])
-    scale = a.get("scale") or head_dim ** -0.5
-    scores = em.call(aten.mul.Scalar, em.call(aten.matmul.default, q, em.call(aten.transpose.int, k, -2, -1)), scale)
-    if a.get("is_causal"):
-        ones = em.call(aten.ones_like.default, scores, dtype=torch.bool)
-        keep = em.call(aten.tril.default, ones)
-        scores = em.call(aten.masked_fill.Scalar, scores, em.call(aten.logical_not.default, keep), float("-inf"))
-    mask = a.get("attn_mask")
-    if isinstance(mask, Node):
-        m = lookup(mask)
-        if mask.meta["val"].dtype == torch.bool:
-            scores = em.call(aten.masked_fill.Scalar, scores, em.call(aten.logical_not.default, m), float("-inf"))
-        else:
-            scores = em.call(aten.add.Tensor, scores, m)
-    probs = em.call(aten.softmax.int, scores, -1)
-    probs = _masked(em, probs, _sdpa_dropout(node), node.meta.get("tp_placement"))
-    return em.call(aten.matmul.default, probs, v)
 
 
 def _drop_metadata_assert(node: Node) -> bool:
