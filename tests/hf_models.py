@@ -78,3 +78,10 @@ def build(arch: Arch, **kw: Any) -> torch.nn.Module:
     """The model with a fixed seed, in eval mode."""
     torch.manual_seed(0)
     return arch.build(**kw).eval()
+
+
+def qwen3(**kw: Any) -> torch.nn.Module:
+    """Qwen3: per-head RMSNorm on q and k (a replicated weight applied to split heads)."""
+    t = _tf()
+    return t.Qwen3ForCausalLM(t.Qwen3Config(**{**SIZES, "intermediate_size": 128, "num_key_value_heads": 2,
+                                               "head_dim": 16, **kw}))
