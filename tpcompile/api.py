@@ -31,6 +31,7 @@ class ParamPlan:
     segments: Optional[tuple[int, ...]]
     global_shape: tuple[int, ...]
     local_shape: tuple[int, ...]
+    tied: tuple[str, ...] = ()  # other names of the same parameter
 
 
 @dataclass
@@ -94,12 +95,13 @@ class ShardedModel:
         """A readable table of the plan, bytes per rank and the forward collectives."""
         p = self.plan
         rows = [f"tpcompile plan for {self.model_name} at world size {self.world_size}", ""]
-        width = max([len(k) for k in p.parameters] + [9])
+        label = {k: k + "".join(f" = {t}" for t in pp.tied) for k, pp in p.parameters.items()}
+        width = max([len(v) for v in label.values()] + [9])
         rows.append(f"{'parameter':<{width}}  {'split':<18} {'global':<14} {'per rank':<14}")
         for name, pp in p.parameters.items():
             split = pp.role if pp.dim is None else f"{pp.role}@{pp.dim}"
             split += "" if not pp.segments else f" {'|'.join(map(str, pp.segments))}"
-            rows.append(f"{name:<{width}}  {split:<18} {str(list(pp.global_shape)):<14} {str(list(pp.local_shape)):<14}")
+            rows.append(f"{label[name]:<{width}}  {split:<18} {str(list(pp.global_shape)):<14} {str(list(pp.local_shape)):<14}")
         total = sum(math.prod(pp.global_shape) for pp in p.parameters.values())
         local = sum(math.prod(pp.local_shape) for pp in p.parameters.values())
         rows += ["", f"parameters per rank: {local:,} of {total:,} ({100.0 * local / max(total, 1):.1f}%)"]
@@ -138,8 +140,9 @@ def _make_plan(gm: GraphModule, ctx: PassContext) -> Plan:
         roles = [plan.modules[o] for o in owners if o in plan.modules]
         role = next((r for r in roles if r != "replicated"), "replicated") if sl is not None else "replicated"
         local = tuple(local_tensor(torch.empty(t.shape, device="meta"), sl, 0, ctx.world_size).shape)
+        tied = tuple(n for n, other in ctx.tensors.items() if other is t and n != name)
         plan.parameters[name] = ParamPlan(name, role, None if sl is None else sl.dim,
-                                          None if sl is None else sl.segments, tuple(t.shape), local)
+                                          None if sl is None else sl.segments, tuple(t.shape), local, tied)
     return plan
 
 
