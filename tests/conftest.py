@@ -13,3 +13,15 @@ def _deterministic() -> None:
 def max_diff(outs: list, ref: torch.Tensor) -> float:
     """Largest absolute difference between any rank's output and the reference."""
     return max(float((o - ref).abs().max()) for o in outs)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """--update-golden: rewrite the golden graph diffs under tests/golden instead of comparing."""
+    parser.addoption("--update-golden", action="store_true", default=False,
+                     help="rewrite tests/golden/*.diff from the current sharding output")
+
+
+@pytest.fixture
+def update_golden(request: pytest.FixtureRequest) -> bool:
+    """True when pytest ran with --update-golden."""
+    return bool(request.config.getoption("--update-golden"))

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 from torch.fx import GraphModule, Node
 
+from tpcompile.errors import TPCompileError
 from tpcompile.passes.context import PassContext, describe, internal_error, module_path, owner_path
 from tpcompile.placement import REPLICATE, Replicate, Shard
 from tpcompile.sharding_rules.context import ParamSlice, Result, RuleContext, Want
@@ -49,7 +50,11 @@ def propagate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
         conflicts = _run_once(gm, ctx)
         fresh = {o: why for origins, why in conflicts for o in origins if o not in ctx.demoted}
         if not fresh:
-            assert not conflicts, f"unresolved sharding conflicts: {conflicts}"
+            if conflicts:
+                raise TPCompileError(
+                    "cannot place these ops on split inputs: " + "; ".join(why for _, why in conflicts)
+                    + ". Replicate the modules involved with plan={'module.path': 'replicate'}"
+                    + (" or shard without sequence_parallel" if ctx.sequence_parallel else ""))
             break
         ctx.demoted.update(fresh)
     _warn(ctx)
@@ -116,6 +121,7 @@ def _run_once(gm: GraphModule, ctx: PassContext) -> list[tuple[frozenset, str]]:
         if why and not downstream:
             blamed = frozenset().union(*(origins.get(b, frozenset()) for b in blame)) if blame else src
             conflicts.append((blamed or src, f"{describe(node)}: {why}"))
+        if why:
             res = Result(_replicated_like(res.out), [Want(w.node, REPLICATE) for w in res.wants])
         for p, sl in res.params.items():
             requests.setdefault(p.target, {}).setdefault(sl, set()).add(node)
