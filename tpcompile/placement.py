@@ -26,15 +26,17 @@ class Shard:
     dim: int
     segments: Optional[tuple[int, ...]] = None
     seq: bool = False  # sequence parallel: tokens split outside the tensor-parallel regions
+    padded: Optional[int] = None  # size rounded up to a multiple of the world size (zeros past the end)
 
     def __str__(self) -> str:
         seg = "" if self.segments is None else f"|{'+'.join(map(str, self.segments))}"
-        return f"S({self.dim}{seg}){'seq' if self.seq else ''}"
+        pad = "" if self.padded is None else f"~{self.padded}"
+        return f"S({self.dim}{seg}{pad}){'seq' if self.seq else ''}"
 
     @property
     def plain(self) -> bool:
-        """True when the dimension is one segment split evenly."""
-        return self.segments is None or len(self.segments) == 1
+        """True when the dimension is one segment split evenly, without padding."""
+        return (self.segments is None or len(self.segments) == 1) and self.padded is None
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,11 @@ def shard(dim: int, segments: Optional[Sequence[int]] = None) -> Shard:
 def moved(p: Shard, dim: int) -> Shard:
     """The same sharding (segments, sequence flag) on another dim."""
     return replace(p, dim=dim)
+
+
+def padded_size(size: int, world_size: int) -> int:
+    """`size` rounded up to a multiple of the world size."""
+    return -(-size // world_size) * world_size
 
 
 def segment_ranges(size: int, segments: Optional[Sequence[int]], rank: int, world_size: int) -> list[tuple[int, int]]:

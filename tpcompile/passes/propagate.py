@@ -214,7 +214,7 @@ def _output(node: Node, placement: Any, src: frozenset, ctx: PassContext) -> lis
     node.meta["tp_placement"] = REPLICATE
     for n in node.all_input_nodes:
         p = placement(n)
-        if isinstance(p, Shard) and not p.plain:
+        if isinstance(p, Shard) and p.segments is not None and len(p.segments) > 1:
             return [(src, f"output {n.name} is split in segments {p.segments}; cannot gather it in order")]
     return []
 

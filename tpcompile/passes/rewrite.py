@@ -103,7 +103,10 @@ def _emit_output(em: _Emitter, node: Node, gather: bool) -> None:
     def fix(n: Node) -> Node:
         p = n.meta.get("tp_placement")
         if isinstance(p, Shard) and gather:
-            return em._once(("gather", n), tp.all_gather_replicated.default, em.env[n], p.dim, em.ctx.group)
+            out = em._once(("gather", n), tp.all_gather_replicated.default, em.env[n], p.dim, em.ctx.group)
+            if p.padded is not None:  # drop the zero padding past the real size
+                out = em._once(("unpad", n), aten.slice.Tensor, out, p.dim, 0, int(n.meta["val"].shape[p.dim]))
+            return out
         return em.env[n]
     em.graph.output(fx.node.map_arg(node.args[0], fix))
 
@@ -144,7 +147,8 @@ def _reduce(em: _Emitter, node: Node, y: Node) -> Node:
 def _emit_vocab(em: _Emitter, node: Node, lookup: Callable[[Node], Node]) -> Node:
     """Vocabulary split: look up only this rank's rows, zero the rest, one all-reduce."""
     w, idx = lookup(node.args[0]), lookup(node.args[1])
-    vocab = int(node.args[0].meta["val"].shape[0])
+    sl = em.ctx.slice_for(node.args[0].target)
+    vocab = sl.padded or int(node.args[0].meta["val"].shape[0])
     start, stop = em.rank * vocab // em.ws, (em.rank + 1) * vocab // em.ws
     outside = em.call(aten.bitwise_or.Tensor, em.call(aten.lt.Scalar, idx, start), em.call(aten.ge.Scalar, idx, stop))
     local = em.call(aten.masked_fill.Scalar, em.call(aten.sub.Scalar, idx, start), outside, 0)
@@ -163,7 +167,9 @@ def _localize(em: _Emitter, node: Node, loc: tuple[str, int, int]) -> tuple:
     if kind == "shape":
         sizes = list(args[i])
         if isinstance(sizes[pos], int) and sizes[pos] != -1:
-            sizes[pos] = sizes[pos] // ws
+            p = node.meta.get("tp_placement")
+            padded = getattr(p, "padded", None) if isinstance(p, Shard) else None
+            sizes[pos] = (padded or sizes[pos]) // ws
         elif isinstance(sizes[pos], Node):
             with em.graph.inserting_before(node):
                 sizes[pos] = em.call(operator.floordiv, sizes[pos], ws)
@@ -184,6 +190,10 @@ def local_tensor(t: torch.Tensor, sl: Any, rank: int, ws: int) -> torch.Tensor:
     """This rank's piece of a parameter (a copy, so ranks never share storage)."""
     if sl is None:
         return t.detach().clone()
+    if getattr(sl, "padded", None):
+        pad = list(t.shape)
+        pad[sl.dim] = sl.padded - t.shape[sl.dim]
+        t = torch.cat([t, t.new_zeros(pad)], dim=sl.dim)
     pieces = [t.narrow(sl.dim, a, b - a) for a, b in segment_ranges(t.shape[sl.dim], sl.segments, rank, ws)]
     return torch.cat(pieces, dim=sl.dim).detach().clone().contiguous()
 

@@ -12,7 +12,7 @@ def verify_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
     for name, sl in ctx.param_slices.items():
         if sl is None:
             continue
-        size = ctx.tensors[name].shape[sl.dim]
+        size = sl.padded or ctx.tensors[name].shape[sl.dim]
         covered = sorted(r for rank in range(ctx.world_size)
                          for r in segment_ranges(size, sl.segments, rank, ctx.world_size))
         pos = 0

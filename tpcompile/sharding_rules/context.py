@@ -20,6 +20,7 @@ class ParamSlice:
 
     dim: int
     segments: Optional[tuple[int, ...]] = None
+    padded: Optional[int] = None  # cut as if zero-padded to this size
 
 
 @dataclass

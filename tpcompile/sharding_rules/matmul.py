@@ -5,7 +5,9 @@ from typing import Any, Optional
 
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Replicate, Shard, moved, shard
+from dataclasses import replace
+
+from tpcompile.placement import REPLICATE, Replicate, Shard, moved, padded_size, shard
 from tpcompile.sharding_rules.context import ParamSlice, Result, RuleContext, Want, norm_dim
 from tpcompile.sharding_rules.table import RuleSpec
 
@@ -32,17 +34,19 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if isinstance(px, Replicate) or (isinstance(px, Shard) and px.seq):
         segments = ctx.segment_hint(node) or (wshape[out_dim],)
         bad = [s for s in segments if s % ctx.world_size]
-        if bad:
-            what = "segment" if len(segments) > 1 else "output features"
+        padded = None
+        if bad and len(segments) > 1:
             return Result(REPLICATE, [Want(x, REPLICATE)], role="replicate", params=params,
-                          demote_self=f"{what} {bad[0]} not divisible by world size {ctx.world_size}")
-        out = shard(len(ctx.shape(node)) - 1, segments)
-        params[w] = ParamSlice(out_dim, out.segments)
+                          demote_self=f"segment {bad[0]} not divisible by world size {ctx.world_size}")
+        if bad:  # zero-padded to a multiple of the world size; fine up to a row split or the output
+            padded = padded_size(wshape[out_dim], ctx.world_size)
+        out = replace(shard(len(ctx.shape(node)) - 1, segments), padded=padded)
+        params[w] = ParamSlice(out_dim, out.segments, padded)
         if isinstance(b, Node):
-            params[b] = ParamSlice(0, out.segments)
+            params[b] = ParamSlice(0, out.segments, padded)
         return Result(out, [ctx.replicated_want(x, out)], role="column", params=params)
     if isinstance(px, Shard) and px.dim == len(xshape) - 1:
-        params[w] = ParamSlice(in_dim, px.segments)
+        params[w] = ParamSlice(in_dim, px.segments, px.padded)
         return Result(ctx.reduced(node), [Want(x, px)], role="row", params=params)
     return Result(REPLICATE, [Want(x, REPLICATE)], params=params,
                   conflict=f"input is sharded on dim {px.dim}, not on the contracted dim")
@@ -99,10 +103,8 @@ def embedding(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return Result(REPLICATE, [Want(idx, REPLICATE)], params=params, conflict="indices are sharded")
     if ctx.param(w) is None or ctx.demoted(node) or not ctx.is_user_input(idx):
         return Result(REPLICATE, [Want(idx, REPLICATE)], role="replicate", params=params)
-    if wshape[0] % ctx.world_size:
-        return Result(REPLICATE, [Want(idx, REPLICATE)], role="replicate", params=params,
-                      demote_self=f"vocabulary {wshape[0]} not divisible by world size {ctx.world_size}")
-    params[w] = ParamSlice(0, None)
+    padded = padded_size(wshape[0], ctx.world_size) if wshape[0] % ctx.world_size else None
+    params[w] = ParamSlice(0, None, padded)
     return Result(ctx.reduced(node), [Want(idx, REPLICATE)], role="vocab", params=params)
 
 

@@ -62,6 +62,8 @@ def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: i
             continue
         if len(gi) == 1 and len(gj) == 1:
             return moved(p, gj[0]), ""
+        if p.padded is not None:
+            return None, f"reshape of a dim padded from {ins[p.dim]} to {p.padded}"
         t = gi.index(p.dim)
         outer, inner = prod([ins[d] for d in gi[:t]]), prod([ins[d] for d in gi[t + 1:]])
         if not isinstance(outer, int) or not isinstance(inner, int):
@@ -155,6 +157,8 @@ def split(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     dim = _dim(node, spec, len(ctx.shape(x)))
     if p.dim != dim:
         return Result(tuple(p for _ in pieces), [Want(x, p)])
+    if p.padded is not None:
+        return _fail(node, f"split of a dim padded to {p.padded}")
     segs = list(p.segments or (ctx.shape(x)[dim],))
     outs, k = [], 0
     for shape in pieces:

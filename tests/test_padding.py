@@ -1,0 +1,69 @@
+"""A vocabulary the world size does not divide is split anyway, zero-padded to a multiple."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tpcompile
+from tpcompile.models import GPT, GPTConfig
+from tpcompile.passes.rewrite import local_tensor
+from tpcompile.sharding_rules.context import ParamSlice
+
+
+def _gpt(vocab: int) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=vocab)).eval()
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_uneven_vocabulary_is_split_and_exact(ws: int) -> None:
+    """Vocabulary 250 at 2 and 4 ranks: embedding and tied head split, logits exact, same collectives."""
+    model = _gpt(250)
+    sm = tpcompile.shard(model, ws)
+    assert not sm.plan.warnings
+    p = sm.plan.parameters["transformer.wte.weight"]
+    assert p.role == "vocab" and p.local_shape == (-(-250 // ws), 64)
+    assert sorted(op for op, _ in sm.collectives()) == ["all_gather_replicated"] + ["all_reduce"] * 5
+    idx = torch.randint(0, 250, (3, 11))
+    with torch.no_grad():
+        ref = model(idx)
+        for out in tpcompile.simulate(sm, idx):
+            assert out.shape == ref.shape
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def test_uneven_vocabulary_gradients_are_slices_with_zero_padding() -> None:
+    """Each rank's embedding gradient is its slice of the full one, the padding rows zero."""
+    model = _gpt(250).train()
+    ref = copy.deepcopy(model)
+    sm = tpcompile.shard(model, 4)
+    ranks = [sm.rank(r) for r in range(4)]
+    idx = torch.randint(0, 250, (2, 16))
+    ref(idx).pow(2).mean().backward()
+    full = ref.transformer.wte.weight.grad
+
+    def grad(r: int) -> torch.Tensor:
+        ranks[r](idx).pow(2).mean().backward()
+        return ranks[r].get_parameter("transformer.wte.weight").grad
+
+    grads = tpcompile.simulate_ranks(4, grad)
+    for r, g in enumerate(grads):
+        want = local_tensor(full, ParamSlice(0, None, 252), r, 4)
+        torch.testing.assert_close(g, want, atol=1e-6, rtol=1e-4)
+    assert float(grads[3][-2:].abs().max()) == 0.0  # rows 250 and 251 are padding
+
+
+def test_uneven_vocabulary_sharded_output_keeps_padding_at_the_end() -> None:
+    """With the head's output left split, the last rank's slice ends in zero-padded logits."""
+    model = _gpt(250)
+    sm = tpcompile.shard(model, 4, plan={"lm_head": "sharded_output"})
+    idx = torch.randint(0, 250, (2, 7))
+    with torch.no_grad():
+        outs = tpcompile.simulate(sm, idx)
+        ref = model(idx)
+    joined = torch.cat(outs, dim=-1)
+    assert joined.shape[-1] == 252
+    torch.testing.assert_close(joined[..., :250], ref, atol=1e-5, rtol=0)
+    assert float(joined[..., 250:].abs().max()) == 0.0
