@@ -11,6 +11,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from tpcompile.capture import capture
+from tpcompile.collectives import register_group
 from tpcompile.errors import TPCompileError
 from tpcompile.passes.annotate import annotate_pass
 from tpcompile.passes.context import PLAN_VALUES, PassContext, module_path, owner_path
@@ -161,12 +162,30 @@ def _check_plan(plan: Optional[dict], paths: set[str]) -> dict[str, str]:
     return dict(plan)
 
 
+def _group_key(group: Any, world_size: int) -> str:
+    """The collectives' key for a group: a registered name, or a ProcessGroup registered now."""
+    if isinstance(group, str):
+        return group
+    size = group.size() if hasattr(group, "size") else None
+    if size is not None and size != world_size:
+        raise TPCompileError(f"group has {size} ranks but world_size is {world_size}; pass a group of "
+                             f"{world_size} ranks or world_size={size}")
+    key = f"group{id(group)}"
+    register_group(key, group)
+    return key
+
+
 def shard(model: nn.Module, world_size: int, *, example_inputs: Any = (), example_kwargs: Optional[dict] = None,
-          dynamic_shapes: Any = None, plan: Optional[dict] = None, group: str = "default",
+          dynamic_shapes: Any = None, plan: Optional[dict] = None, group: Any = "default",
           sequence_parallel: bool = False) -> ShardedModel:
-    """Split `model` over `world_size` ranks; returns one GraphModule per rank and the plan."""
+    """Split `model` over `world_size` ranks; returns one GraphModule per rank and the plan.
+
+    `group` is the torch.distributed ProcessGroup the ranks' collectives use (default: the
+    default group), or the key of one given to `tpcompile.collectives.register_group`.
+    """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise TPCompileError(f"world_size must be an int >= 1, got {world_size!r}")
+    group = _group_key(group, world_size)
     cap = capture(model, example_inputs, example_kwargs, dynamic_shapes)  # capture: torch.export
     ctx = PassContext(world_size, group=group, plan=_check_plan(plan, cap.module_paths),
                       sequence_parallel=bool(sequence_parallel))
