@@ -207,3 +207,16 @@ def test_collective_sequence_of_many_steps() -> None:
 
     for out in simulate_ranks(4, run):
         assert out == [6.0 + 4 * i for i in range(50)]
+
+
+def test_simulated_ranks_inherit_the_callers_grad_mode() -> None:
+    """Under torch.no_grad() in the caller, the ranks' results carry no autograd graph."""
+    import tpcompile
+    from tpcompile.models import build
+
+    sm = tpcompile.shard(build("mlp"), 2)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        outs = tpcompile.simulate(sm, x)
+    assert all(not o.requires_grad for o in outs)
+    assert all(o.requires_grad for o in tpcompile.simulate(sm, x))

@@ -161,12 +161,14 @@ def simulate_ranks(world_size: int, fn: Callable[[int], Any], *,
     world = _World(world_size, float(timeout))
     results: list[Any] = [None] * world_size
     errors: dict[int, BaseException] = {}
+    grad_enabled = torch.is_grad_enabled()  # grad mode is per thread: carry the caller's over
 
     def run(rank: int) -> None:
         """Run fn as this thread's rank and report how it ended."""
         _local.rank = SimulatedRank(world, rank)
         try:
-            results[rank] = fn(rank)
+            with torch.set_grad_enabled(grad_enabled):
+                results[rank] = fn(rank)
             world.end_rank(rank, None)
         except BaseException as e:  # noqa: BLE001  any failure must release the other ranks
             errors[rank] = e
