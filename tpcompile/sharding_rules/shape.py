@@ -203,14 +203,18 @@ def cat(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     return Result(target, [Want(t, target) for t in tensors])
 
 
+def _along(node: Node, spec: RuleSpec, ctx: RuleContext) -> tuple[Node, Shard, int]:
+    """The input, its sharding and the op's dim argument, for ops that act along one dim."""
+    x = node.args[0]
+    return x, ctx.placement(x), _dim(node, spec, len(ctx.shape(x)))
+
+
 def slice_(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """slice: any dim but the sharded one, where only a full slice is allowed."""
     done = _passthrough(node, ctx)
     if done:
         return done
-    x = node.args[0]
-    p = ctx.placement(x)
-    dim = _dim(node, spec, len(ctx.shape(x)))
+    x, p, dim = _along(node, spec, ctx)
     if dim == p.dim and not sizes_equal(ctx.shape(x)[dim], ctx.shape(node)[dim]):
         return _fail(node, "slice along the sharded dim")
     return Result(p, [Want(x, p)])
@@ -221,9 +225,7 @@ def select(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     done = _passthrough(node, ctx)
     if done:
         return done
-    x = node.args[0]
-    p = ctx.placement(x)
-    dim = _dim(node, spec, len(ctx.shape(x)))
+    x, p, dim = _along(node, spec, ctx)
     if dim == p.dim:
         return _fail(node, "select along the sharded dim")
     return Result(moved(p, p.dim - (dim < p.dim)), [Want(x, p)])
