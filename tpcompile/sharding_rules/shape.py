@@ -71,6 +71,7 @@ def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: i
         segs = list(p.segments or (ins[p.dim],))
         flat = [s * inner for _ in range(outer) for s in segs]  # sharded blocks in element order
         outs_g = [outs[d] for d in gj]
+        why = f"reshape to {tuple(outs)} cuts through the per-rank blocks of dim {p.dim}"
         for u, size in enumerate(outs_g):
             if size == 1:
                 continue
@@ -82,12 +83,13 @@ def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: i
             one = per[:n]
             if per != one * pre or sum(one) != size:
                 continue
-            if any(s % ws for s in one):
+            if any(s % ws for s in one):  # a finer dim may still hold whole blocks
                 sizes = "x".join(str(s) for s in outs_g)
-                return None, (f"reshape splits a sharded dim of size {ins[p.dim]} into ({sizes}); "
-                              f"{size} is not divisible by world size {ws}")
+                why = (f"reshape splits a sharded dim of size {ins[p.dim]} into ({sizes}); "
+                       f"{size} is not divisible by world size {ws}")
+                continue
             return shard(gj[u], one), ""
-        return None, f"reshape to {tuple(outs)} cuts through the per-rank blocks of dim {p.dim}"
+        return None, why
     return None, "sharded dim not found"
 
 
