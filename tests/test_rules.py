@@ -143,3 +143,44 @@ def test_softmax_over_split_dim_replicates() -> None:
     with pytest.warns(tpcompile.TPCompileWarning, match="needs the whole of dim 1"):
         sm = _check(SoftmaxOverHeads(), torch.randn(4, 16))
     assert sm.plan.modules["fc"] == "replicated"
+
+
+class EinsumAttention(nn.Module):
+    """Attention written with einsum on (B, T, heads, dim) tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (f(x).view(b, t, 4, 16) for f in (self.q, self.k, self.v))
+        att = torch.einsum("bthd,bshd->bhts", q, k).softmax(-1)
+        return self.o(torch.einsum("bhts,bshd->bthd", att, v).reshape(b, t, c))
+
+
+def test_einsum_attention_keeps_whole_heads() -> None:
+    """Heads flow through einsum: q/k/v column, o row, one all-reduce."""
+    sm = _check(EinsumAttention(), torch.randn(2, 8, 64))
+    assert sm.plan.modules == {"q": "column", "k": "column", "v": "column", "o": "row"}
+    assert [op for op, _ in sm.collectives()] == ["all_reduce"]
+
+
+class StackedQKV(nn.Module):
+    """qkv projection reshaped to (B, T, 3, heads, dim), permuted and unbound (timm / ViT style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.o = nn.Linear(64, 192), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, t, 3, 4, 16).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, c))
+
+
+def test_stacked_qkv_is_sliced_per_segment() -> None:
+    """The (3, heads, dim) reshape makes q|k|v segments, so heads are split, not q from k."""
+    sm = _check(StackedQKV(), torch.randn(2, 8, 64))
+    assert sm.plan.parameters["qkv.weight"].segments == (64, 64, 64)
+    assert sm.plan.modules == {"qkv": "column", "o": "row"}

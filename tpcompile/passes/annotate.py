@@ -34,6 +34,47 @@ def _last_dim(node: Node) -> Optional[int]:
     return int(val.shape[-1]) if isinstance(val, torch.Tensor) and val.dim() and isinstance(val.shape[-1], int) else None
 
 
+def _stacked_segments(reshape: Node, width: int) -> Optional[tuple[int, ...]]:
+    """(..., k*E) reshaped to (..., k, ...) whose k dim is then unbound: k segments of E (q|k|v)."""
+    shape = [int(s) if isinstance(s, int) else None for s in reshape.meta["val"].shape]
+    prod, d = 1, len(shape)
+    while d > 0 and shape[d - 1] is not None and prod < width:
+        d -= 1
+        prod *= shape[d]
+    k = shape[d] if d < len(shape) else None
+    if prod != width or k is None or k <= 1 or d == len(shape) - 1 or not _unbound_later(reshape, d):
+        return None
+    return (width // k,) * k
+
+
+def _unbound_later(node: Node, d: int) -> bool:
+    """True when dim d of node, followed through transposes and permutes, is split or unbound."""
+    for _ in range(6):
+        users = list(node.users)
+        if not users:
+            return False
+        for u in users:
+            spec = lookup(u.target)
+            if spec is not None and spec.rule in ("unbind", "split", "select"):
+                i = 2 if spec.rule == "split" else 1
+                dim = u.args[i] if len(u.args) > i else u.kwargs.get("dim", 0)
+                if dim % u.args[0].meta["val"].dim() == d:
+                    return True
+        if len(users) != 1:
+            return False
+        u = users[0]
+        if u.target is torch.ops.aten.permute.default:
+            d = [x % len(u.args[1]) for x in u.args[1]].index(d)
+        elif u.target is torch.ops.aten.transpose.int:
+            nd = u.args[0].meta["val"].dim()
+            a, b = u.args[1] % nd, u.args[2] % nd
+            d = b if d == a else a if d == b else d
+        elif lookup(u.target) is None or lookup(u.target).rule != "pointwise":
+            return False
+        node = u
+    return False
+
+
 def _segment_hint(node: Node) -> Optional[tuple[int, ...]]:
     """Sizes a fused projection's output is split into along its last dim (q|k|v), if it is."""
     width, cur = _last_dim(node), node
@@ -47,6 +88,10 @@ def _segment_hint(node: Node) -> Optional[tuple[int, ...]]:
                 dim = u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)
                 if dim % ndim == ndim - 1:
                     return tuple(int(v.shape[-1]) for v in vals)
+            if spec is not None and spec.rule == "reshape" and width:
+                stacked = _stacked_segments(u, width)
+                if stacked:
+                    return stacked
         if len(users) != 1:
             return None
         nxt = users[0]

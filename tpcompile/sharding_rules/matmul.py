@@ -94,6 +94,35 @@ def _out_dim(d: int, ndim: int, nout: int, is_a: bool) -> Optional[int]:
     return d + nout - ndim
 
 
+def einsum(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """einsum: a sharded index that survives into the output stays sharded there."""
+    equation, operands = node.args[0], list(node.args[1])
+    everything_replicated = [Want(n, REPLICATE) for n in operands]
+    if ctx.all_replicated(operands):
+        return Result(REPLICATE, everything_replicated)
+    lhs, _, out = equation.replace(" ", "").partition("->")
+    terms = lhs.split(",")
+    if "." in equation or not out or len(terms) != len(operands):
+        return Result(REPLICATE, everything_replicated, conflict="einsum with ellipsis or implicit output")
+    letters = {terms[i][p.dim] for i, p in enumerate(map(ctx.placement, operands)) if isinstance(p, Shard)}
+    sharded = {ctx.placement(n) for n in operands if isinstance(ctx.placement(n), Shard)}
+    if len(letters) != 1 or len({(p.segments, p.padded) for p in sharded}) != 1:
+        return Result(REPLICATE, everything_replicated, conflict="einsum operands sharded on different indices")
+    letter, like = letters.pop(), sharded.pop()
+    if letter not in out:
+        return Result(REPLICATE, everything_replicated, conflict=f"einsum sums over the sharded index {letter!r}")
+    target = moved(like, out.index(letter))
+    wants = []
+    for n, term in zip(operands, terms):
+        if letter not in term:
+            wants.append(ctx.replicated_want(n, target))
+        elif isinstance(ctx.placement(n), Shard) or ctx.shape(n)[term.index(letter)] != 1:
+            wants.append(Want(n, moved(like, term.index(letter))))
+        else:
+            wants.append(ctx.replicated_want(n, target))
+    return Result(target, wants)
+
+
 def embedding(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """Embedding lookup: split by vocabulary when the indices are the user's token ids."""
     w, idx = node.args[0], node.args[1]

@@ -16,6 +16,7 @@ RULES: dict[str, Rule] = {
     "matmul": matmul.activation_matmul,
     "embedding": matmul.embedding,
     "sdpa": matmul.sdpa,
+    "einsum": matmul.einsum,
     "reshape": shape.reshape,
     "expand": shape.expand,
     "transpose": shape.transpose,
