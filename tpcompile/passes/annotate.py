@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from tpcompile.passes.context import PassContext
+from tpcompile.passes.context import PassContext, module_path, owner_path
 from tpcompile.sharding_rules import RuleSpec, lookup
 
 _SPLITS = {"split", "unbind"}
@@ -25,8 +25,19 @@ def annotate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
             segments = _segment_hint(node)
             if segments:
                 spec = RuleSpec(spec.rule, {**spec.args, "segments": segments})
+        if spec is not None and spec.rule in ("weight_matmul", "embedding"):
+            spec = RuleSpec(spec.rule, {**spec.args, "owner": _owner(node, spec, ctx)})
         node.meta["tp_rule"] = spec
     return gm
+
+
+def _owner(node: Node, spec: RuleSpec, ctx: PassContext) -> Optional[str]:
+    """The module a weight op belongs to: its weight's module, or the caller's for tied weights."""
+    w = node.args[spec.get("weight", 0)]
+    if not (isinstance(w, Node) and w.op == "get_attr" and w.target in ctx.tensors):
+        return None
+    tied = sum(t is ctx.tensors[w.target] for t in ctx.tensors.values()) > 1
+    return (module_path(node) if tied else "") or owner_path(w.target)
 
 
 def _last_dim(node: Node) -> Optional[int]:
@@ -69,6 +80,10 @@ def _unbound_later(node: Node, d: int) -> bool:
             nd = u.args[0].meta["val"].dim()
             a, b = u.args[1] % nd, u.args[2] % nd
             d = b if d == a else a if d == b else d
+        elif u.target is torch.ops.aten.unsqueeze.default:
+            d += u.args[1] % u.meta["val"].dim() <= d
+        elif u.target is torch.ops.aten.squeeze.dim:
+            d -= u.args[1] % u.args[0].meta["val"].dim() < d
         elif lookup(u.target) is None or lookup(u.target).rule != "pointwise":
             return False
         node = u

@@ -66,10 +66,7 @@ def seed_path(node: Node) -> Optional[str]:
     spec = node.meta.get("tp_rule")
     if node.op != "call_function" or spec is None or spec.rule not in ("weight_matmul", "embedding"):
         return None
-    w = node.args[spec.get("weight", 0)] if spec.rule == "weight_matmul" else node.args[0]
-    if not (isinstance(w, Node) and w.op == "get_attr"):
-        return None
-    return module_path(node) or owner_path(w.target)  # the calling module: tied weights have two
+    return spec.get("owner")  # written by annotate
 
 
 def _run_once(gm: GraphModule, ctx: PassContext) -> list[tuple[frozenset, str]]:
@@ -214,7 +211,7 @@ def _output(node: Node, placement: Any, src: frozenset, ctx: PassContext) -> lis
     node.meta["tp_placement"] = REPLICATE
     for n in node.all_input_nodes:
         p = placement(n)
-        if isinstance(p, Shard) and p.segments is not None and len(p.segments) > 1:
+        if isinstance(p, Shard) and (p.segments is not None and len(p.segments) > 1 or p.outer is not None):
             return [(src, f"output {n.name} is split in segments {p.segments}; cannot gather it in order")]
     return []
 

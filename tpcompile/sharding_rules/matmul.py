@@ -45,7 +45,7 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         if isinstance(b, Node):
             params[b] = ParamSlice(0, out.segments, padded)
         return Result(out, [ctx.replicated_want(x, out)], role="column", params=params)
-    if isinstance(px, Shard) and px.dim == len(xshape) - 1:
+    if isinstance(px, Shard) and px.dim == len(xshape) - 1 and px.outer is None:
         params[w] = ParamSlice(in_dim, px.segments, px.padded)
         return Result(ctx.reduced(node), [Want(x, px)], role="row", params=params)
     return Result(REPLICATE, [Want(x, REPLICATE)], params=params,

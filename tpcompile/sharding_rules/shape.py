@@ -1,6 +1,7 @@
 """Rules for shape ops: follow the sharded dim through views, transposes, splits and cats."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional, Sequence
 
 import sympy
@@ -53,7 +54,12 @@ def _smaller(a: Size, b: Size) -> bool:
 
 
 def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: int) -> tuple[Optional[Shard], str]:
-    """Where a sharded dim lands after a reshape, tracked as contiguous sharded blocks."""
+    """Where a sharded dim lands after a reshape, tracked as repeated runs of per-rank blocks.
+
+    Along the reshaped dims the elements form `count` repetitions of the blocks `segs * inner`
+    (count may be a dynamic size, e.g. the batch folded into heads); each block is split evenly
+    over the ranks. The output dim that holds whole blocks, evenly divisible, is the new shard.
+    """
     groups = _groups(ins, outs)
     if groups is None:
         return None, "cannot match the input and output dims"
@@ -65,32 +71,47 @@ def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: i
         if p.padded is not None:
             return None, f"reshape of a dim padded from {ins[p.dim]} to {p.padded}"
         t = gi.index(p.dim)
-        outer, inner = prod([ins[d] for d in gi[:t]]), prod([ins[d] for d in gi[t + 1:]])
-        if not isinstance(outer, int) or not isinstance(inner, int):
-            return None, "the sharded dim is merged with a dynamic dim"
-        segs = list(p.segments or (ins[p.dim],))
-        flat = [s * inner for _ in range(outer) for s in segs]  # sharded blocks in element order
+        count = (p.outer or 1) * prod([ins[d] for d in gi[:t]])
+        inner = prod([ins[d] for d in gi[t + 1:]])
+        if not isinstance(inner, int):
+            return None, "the sharded dim is merged with a dynamic dim after it"
+        segs = list(p.segments or (_exact(ins[p.dim] / (p.outer or 1)),))
+        blocks = [s * inner for s in segs]  # one repetition, in element order
         outs_g = [outs[d] for d in gj]
         why = f"reshape to {tuple(outs)} cuts through the per-rank blocks of dim {p.dim}"
         for u, size in enumerate(outs_g):
-            if size == 1:
-                continue
             q, pre = prod(outs_g[u + 1:]), prod(outs_g[:u])
-            if not isinstance(q, int) or not isinstance(pre, int) or any(f % q for f in flat) or len(flat) % pre:
+            if size == 1 or not isinstance(q, int) or any(f % q for f in blocks):
                 continue
-            per = [f // q for f in flat]
-            n = len(per) // pre
-            one = per[:n]
-            if per != one * pre or sum(one) != size:
+            one = _period([f // q for f in blocks])
+            k = len(blocks) // len(one)  # repetitions inside one run of blocks
+            m = _exact(sympy.sympify(size) / sum(one))  # runs folded into this dim
+            if m is None or not sizes_equal(pre * m, count * k):
                 continue
             if any(s % ws for s in one):  # a finer dim may still hold whole blocks
                 sizes = "x".join(str(s) for s in outs_g)
                 why = (f"reshape splits a sharded dim of size {ins[p.dim]} into ({sizes}); "
                        f"{size} is not divisible by world size {ws}")
                 continue
-            return shard(gj[u], one), ""
+            return replace(shard(gj[u], one), outer=None if m == 1 else m), ""
         return None, why
     return None, "sharded dim not found"
+
+
+def _period(xs: list) -> list:
+    """The shortest prefix that repeats to make xs."""
+    for n in range(1, len(xs) + 1):
+        if len(xs) % n == 0 and xs[:n] * (len(xs) // n) == xs:
+            return xs[:n]
+    return xs
+
+
+def _exact(x: Size) -> Optional[Size]:
+    """x as an int or a whole sympy expression, or None when it is a fraction."""
+    x = sympy.simplify(sympy.sympify(x))
+    if x.is_Integer:
+        return int(x)
+    return x if sympy.fraction(x)[1] == 1 and x.is_positive is not False else None
 
 
 def reshape(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
@@ -106,6 +127,10 @@ def reshape(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     res = Result(out, [Want(x, p)])
     if spec.get("shape_arg") is not None:
         res.localize = ("shape", spec.get("shape_arg"), out.dim)
+    elif spec.get("sizes_arg") is not None:  # unflatten: sizes of the dims that replace `dim`
+        first = norm_dim(node.args[spec.get("dim_arg")], len(ctx.shape(x)))
+        if 0 <= out.dim - first < len(node.args[spec.get("sizes_arg")]):
+            res.localize = ("shape", spec.get("sizes_arg"), out.dim - first)
     return res
 
 
