@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
@@ -19,6 +20,7 @@ from tpcompile.passes.propagate import propagate_pass, seed_path
 from tpcompile.passes.rewrite import local_tensor, rewrite_pass
 from tpcompile.passes.verify import collective_signature, verify_pass, verify_rank
 
+log = logging.getLogger("tpcompile")
 FORWARD_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_gather_replicated")
 
 
@@ -66,6 +68,7 @@ class ShardedModel:
         if not isinstance(r, int) or not 0 <= r < self.world_size:
             raise TPCompileError(f"rank {r!r} is out of range for world size {self.world_size}")
         if r not in self._ranks:
+            log.info("building rank %d of %d", r, self.world_size)
             gm = rewrite_pass(self.captured, self._ctx, r)  # rewrite: this rank's graph
             if self._reference is None:
                 self._reference = collective_signature(gm)

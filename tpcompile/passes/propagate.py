@@ -8,6 +8,7 @@ pass runs again. Replications only grow, so this ends after at most one round pe
 """
 from __future__ import annotations
 
+import logging
 import operator
 import warnings
 from dataclasses import dataclass, field
@@ -21,6 +22,9 @@ from tpcompile.passes.context import PassContext, describe, internal_error, modu
 from tpcompile.placement import REPLICATE, Replicate, Shard
 from tpcompile.sharding_rules.context import ParamSlice, Result, RuleContext, Want
 from tpcompile.sharding_rules.rules import apply_rule
+
+
+log = logging.getLogger("tpcompile")
 
 
 class TPCompileWarning(UserWarning):
@@ -48,6 +52,7 @@ def propagate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
             ctx.demoted[n] = "replicated by the plan"
     for ctx.iterations in range(1, len(seeds) + 2):
         conflicts = _run_once(gm, ctx)
+        log.info("propagate round %d: %d conflicts", ctx.iterations, len(conflicts))
         fresh = {o: why for origins, why in conflicts for o in origins if o not in ctx.demoted}
         if not fresh:
             if conflicts:
@@ -234,6 +239,8 @@ def _warn(ctx: PassContext) -> None:
         if why != "replicated by the plan":
             by_reason.setdefault(why, []).append(seed_path(seed) or seed.name)
     for why, paths in by_reason.items():
-        msg = f"{why}; replicating {', '.join(sorted(set(paths)))} (results stay exact, this part is not split)"
+        names = sorted(set(paths))
+        msg = (f"{why}; replicating {', '.join(names)} (results stay exact, this part is not split; "
+               f"plan={{{names[0]!r}: 'replicate'}} says so explicitly and silences this)")
         ctx.warnings.append(msg)
         warnings.warn(msg, TPCompileWarning, stacklevel=4)
