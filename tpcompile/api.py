@@ -4,6 +4,7 @@ from __future__ import annotations
 import difflib
 import logging
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
@@ -61,20 +62,22 @@ class ShardedModel:
         self._ctx = ctx
         self._ranks: dict[int, GraphModule] = {}
         self._reference: Optional[list] = None
+        self._lock = threading.Lock()
         self.plan = _make_plan(captured, ctx)
 
     def rank(self, r: int) -> GraphModule:
         """Rank r's GraphModule: the model's arguments in, the model's output structure out."""
         if not isinstance(r, int) or not 0 <= r < self.world_size:
             raise TPCompileError(f"rank {r!r} is out of range for world size {self.world_size}")
-        if r not in self._ranks:
-            log.info("building rank %d of %d", r, self.world_size)
-            gm = rewrite_pass(self.captured, self._ctx, r)  # rewrite: this rank's graph
-            if self._reference is None:
-                self._reference = collective_signature(gm)
-            verify_rank(gm, self._reference, r)  # verify: same collectives as every rank
-            self._ranks[r] = gm
-        return self._ranks[r]
+        with self._lock:  # ranks may be asked for from several threads at once
+            if r not in self._ranks:
+                log.info("building rank %d of %d", r, self.world_size)
+                gm = rewrite_pass(self.captured, self._ctx, r)  # rewrite: this rank's graph
+                if self._reference is None:
+                    self._reference = collective_signature(gm)
+                verify_rank(gm, self._reference, r)  # verify: same collectives as every rank
+                self._ranks[r] = gm
+            return self._ranks[r]
 
     def __getitem__(self, r: int) -> GraphModule:
         return self.rank(r)

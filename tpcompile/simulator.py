@@ -193,4 +193,5 @@ def simulate_ranks(world_size: int, fn: Callable[[int], Any], *,
 
 def simulate(sharded: Any, *args: Any, **kwargs: Any) -> list:
     """Run every rank's module of a ShardedModel on (args, kwargs) and return per-rank outputs."""
-    return simulate_ranks(sharded.world_size, lambda r: sharded.rank(r)(*args, **kwargs))
+    ranks = [sharded.rank(r) for r in range(sharded.world_size)]  # built here, not on the rank threads
+    return simulate_ranks(sharded.world_size, lambda r: ranks[r](*args, **kwargs))
