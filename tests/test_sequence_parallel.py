@@ -141,3 +141,40 @@ def test_sp_saves_activation_memory(capsys: pytest.CaptureFixture) -> None:
         for ws, tp_only, sp in rows:
             print(f"  world size {ws}: tensor parallel {tp_only:,}; + sequence parallel {sp:,} "
                   f"(saves {tp_only - sp:,} bytes, {100 * (tp_only - sp) / tp_only:.0f}%)")
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_sp_llama_trains_like_the_original(ws: int) -> None:
+    """Hugging Face Llama with sequence parallelism: same logits, and 5 AdamW steps give the same losses."""
+    pytest.importorskip("transformers")
+    from hf_models import ARCHS, build as build_hf
+
+    arch = next(a for a in ARCHS if a.name == "llama")
+    model = build_hf(arch).train()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 16))
+    kw = {"input_ids": ids, "use_cache": False}
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tpcompile.TPCompileWarning)  # kv heads at 4 ranks
+        sm = tpcompile.shard(model, ws, example_kwargs=kw, sequence_parallel=True)
+    ops = {op for op, _ in sm.collectives()}
+    assert ops <= {"all_gather", "reduce_scatter", "all_gather_replicated"}
+    ranks = [sm.rank(r) for r in range(ws)]
+
+    def train(m: torch.nn.Module) -> list[float]:
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(5):
+            logits = m(**kw).logits
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, 128), ids[:, 1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    want = train(ref)
+    for got in tpcompile.simulate_ranks(ws, lambda r: train(ranks[r])):
+        for a, b in zip(got, want):
+            assert abs(a - b) <= 1e-5 * abs(b)
