@@ -38,10 +38,11 @@ def test_hf_ranks_equal_original(arch, ws: int) -> None:
         torch.testing.assert_close(out[arch.output], ref, atol=1e-4, rtol=0, msg=lambda m: f"rank {r}: {m}")
 
 
+@pytest.mark.parametrize("ws", [2, 4])
 @pytest.mark.parametrize("arch", ARCHS, ids=[a.name for a in ARCHS])
-def test_hf_collectives_per_layer(arch) -> None:
+def test_hf_collectives_per_layer(arch, ws: int) -> None:
     """2 forward collectives per layer, at most one for the embedding and one for the head."""
-    sm = tpcompile.shard(build(arch), 2, example_kwargs=inputs(arch, 2, 8))
+    sm = tpcompile.shard(build(arch), ws, example_kwargs=inputs(arch, 2, 8))
     per_layer: dict[str, list[str]] = {}
     outside: list[str] = []
     for op, path in sm.collectives():
@@ -67,6 +68,26 @@ def test_llama_gqa_fewer_kv_heads_than_ranks(ws: int) -> None:
     assert sm.plan.modules["model.layers.0.self_attn.k_proj"] == "replicated"
     assert sm.plan.modules["model.layers.0.self_attn.o_proj"] == "row"
     kw = inputs(arch, 2, 11)
+    with torch.no_grad():
+        ref = model(**kw).logits
+        for out in tpcompile.simulate(sm, **kw):
+            torch.testing.assert_close(out.logits, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2"])
+def test_kv_heads_fewer_than_ranks_are_shared_pieces(name: str) -> None:
+    """2 kv heads at 4 ranks: each rank holds the one kv head its q heads use, no replication."""
+    arch = next(a for a in ARCHS if a.name == name)
+    model = build(arch)
+    sm = tpcompile.shard(model, 4, example_kwargs=inputs(arch, 2, 8))
+    assert not sm.plan.warnings
+    for proj in ("k_proj", "v_proj"):
+        p = sm.plan.parameters[f"model.layers.1.self_attn.{proj}.weight"]
+        assert (p.role, p.pieces, p.local_shape) == ("column", 2, (16, 64))  # one head of 16
+        w = dict(model.named_parameters())[p.name]
+        for r in range(4):
+            torch.testing.assert_close(sm.rank(r).get_parameter(p.name), w[16 * (r // 2): 16 * (r // 2 + 1)])
+    kw = inputs(arch, 3, 13)
     with torch.no_grad():
         ref = model(**kw).logits
         for out in tpcompile.simulate(sm, **kw):

@@ -20,6 +20,7 @@ from tpcompile.passes.context import PLAN_VALUES, PassContext, module_path, owne
 from tpcompile.passes.propagate import propagate_pass, seed_path
 from tpcompile.passes.rewrite import local_tensor, rewrite_pass
 from tpcompile.passes.verify import collective_signature, verify_pass, verify_rank
+from tpcompile.sharding_rules.context import ParamSlice
 
 log = logging.getLogger("tpcompile")
 FORWARD_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_gather_replicated")
@@ -36,6 +37,12 @@ class ParamPlan:
     global_shape: tuple[int, ...]
     local_shape: tuple[int, ...]
     tied: tuple[str, ...] = ()  # other names of the same parameter
+    padded: Optional[int] = None  # split as if zero-padded to this size along dim
+    pieces: Optional[int] = None  # split into this many pieces, each shared by world_size/pieces ranks
+
+    def slice(self) -> Optional[ParamSlice]:
+        """How the parameter is cut, for tpcompile.passes.rewrite.local_tensor (None: whole)."""
+        return None if self.dim is None else ParamSlice(self.dim, self.segments, self.padded, self.pieces)
 
 
 @dataclass
@@ -149,7 +156,8 @@ def _make_plan(gm: GraphModule, ctx: PassContext) -> Plan:
         local = tuple(local_tensor(torch.empty(t.shape, device="meta"), sl, 0, ctx.world_size).shape)
         tied = tuple(n for n, other in ctx.tensors.items() if other is t and n != name)
         plan.parameters[name] = ParamPlan(name, role, None if sl is None else sl.dim,
-                                          None if sl is None else sl.segments, tuple(t.shape), local, tied)
+                                          None if sl is None else sl.segments, tuple(t.shape), local, tied,
+                                          None if sl is None else sl.padded, None if sl is None else sl.groups)
     return plan
 
 

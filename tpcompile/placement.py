@@ -28,17 +28,21 @@ class Shard:
     seq: bool = False  # sequence parallel: tokens split outside the tensor-parallel regions
     padded: Optional[int] = None  # size rounded up to a multiple of the world size (zeros past the end)
     outer: Optional[object] = None  # the dim is `outer` repetitions of the split blocks (batch x heads)
+    groups: Optional[int] = None  # only this many distinct pieces; ranks r*groups//ws share piece
+    split_next: Optional[int] = None  # with groups: dim+1 is split this many ways within a piece
 
     def __str__(self) -> str:
         seg = "" if self.segments is None else f"|{'+'.join(map(str, self.segments))}"
         pad = "" if self.padded is None else f"~{self.padded}"
         out = "" if self.outer is None else f"x{self.outer}"
-        return f"S({self.dim}{seg}{pad}{out}){'seq' if self.seq else ''}"
+        grp = "" if self.groups is None else f"/{self.groups}" + ("" if self.split_next is None else f"+{self.split_next}")
+        return f"S({self.dim}{seg}{pad}{out}{grp}){'seq' if self.seq else ''}"
 
     @property
     def plain(self) -> bool:
         """True when the dimension is one segment split evenly, without padding."""
-        return (self.segments is None or len(self.segments) == 1) and self.padded is None and self.outer is None
+        return ((self.segments is None or len(self.segments) == 1) and self.padded is None
+                and self.outer is None and self.groups is None)
 
 
 @dataclass(frozen=True)

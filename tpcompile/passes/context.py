@@ -23,6 +23,7 @@ class PassContext:
     sequence_parallel: bool = False
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # get_attr target -> param/buffer
     demoted: dict[Node, str] = field(default_factory=dict)  # seed -> why it is replicated
+    groups: dict[Node, int] = field(default_factory=dict)  # seed -> pieces, when fewer than ranks
     param_slices: dict[str, Optional[ParamSlice]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     iterations: int = 0

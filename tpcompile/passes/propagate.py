@@ -40,7 +40,7 @@ class Layout:
 
     role: str = "generic"
     wants: list[Want] = field(default_factory=list)
-    localize: Optional[tuple[str, int, int]] = None
+    localize: Optional[list[tuple]] = None
     gather_output: bool = True
 
 
@@ -50,11 +50,13 @@ def propagate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
     for n in seeds:
         if ctx.plan_for(seed_path(n)) == "replicate":
             ctx.demoted[n] = "replicated by the plan"
-    for ctx.iterations in range(1, len(seeds) + 2):
-        conflicts = _run_once(gm, ctx)
+    for ctx.iterations in range(1, 2 * len(seeds) + 2):  # each round regroups or replicates a seed
+        conflicts, regroups = _run_once(gm, ctx)
         log.info("propagate round %d: %d conflicts", ctx.iterations, len(conflicts))
         fresh = {o: why for origins, why in conflicts for o in origins if o not in ctx.demoted}
-        if not fresh:
+        regrouped = {o: n for origins, n in regroups for o in origins if o not in ctx.groups}
+        ctx.groups.update(regrouped)
+        if not fresh and not regrouped:
             if conflicts:
                 raise TPCompileError(
                     "cannot place these ops on split inputs: " + "; ".join(why for _, why in conflicts)
@@ -74,12 +76,13 @@ def seed_path(node: Node) -> Optional[str]:
     return spec.get("owner")  # written by annotate
 
 
-def _run_once(gm: GraphModule, ctx: PassContext) -> list[tuple[frozenset, str]]:
-    """One forward sweep; returns (origins, reason) for every conflict met."""
+def _run_once(gm: GraphModule, ctx: PassContext) -> tuple[list, list]:
+    """One forward sweep: (origins, reason) for every conflict, (origins, pieces) to regroup."""
     origins: dict[Node, frozenset] = {}
     grad: dict[Node, bool] = {}
     requests: dict[str, dict[Optional[ParamSlice], set]] = {}
     conflicts: list[tuple[frozenset, str]] = []
+    regroups: list[tuple[frozenset, int]] = []
     tainted: set[Node] = set()
 
     def placement(n: Any) -> Any:
@@ -95,6 +98,7 @@ def _run_once(gm: GraphModule, ctx: PassContext) -> list[tuple[frozenset, str]]:
                        _is_user_input, lambda n: n in ctx.demoted,
                        lambda n: n.meta["tp_rule"].get("segments"))
     rctx.sequence_parallel = ctx.sequence_parallel
+    rctx.groups_of = ctx.groups.get
     for node in gm.graph.nodes:
         inputs = node.all_input_nodes
         src = frozenset().union(*(origins.get(i, frozenset()) for i in inputs if _sharded(placement(i))))
@@ -122,7 +126,10 @@ def _run_once(gm: GraphModule, ctx: PassContext) -> list[tuple[frozenset, str]]:
             tainted.add(node)
         if why and not downstream:
             blamed = frozenset().union(*(origins.get(b, frozenset()) for b in blame)) if blame else src
-            conflicts.append((blamed or src, f"{describe(node)}: {why}"))
+            if res.regroup and blamed and not any(o in ctx.groups for o in blamed):
+                regroups.append((blamed, res.regroup))  # split into fewer pieces instead
+            else:
+                conflicts.append((blamed or src, f"{describe(node)}: {why}"))
         if why:
             res = Result(_replicated_like(res.out), [Want(w.node, REPLICATE) for w in res.wants])
         for p, sl in res.params.items():
@@ -137,7 +144,7 @@ def _run_once(gm: GraphModule, ctx: PassContext) -> list[tuple[frozenset, str]]:
             users = frozenset().union(*(s for sl, s in by_slice.items() if sl is not None))
             conflicts.append((users, f"parameter {target} is used both split and whole"))
         ctx.param_slices[target] = next(iter(by_slice)) if len(by_slice) == 1 else None
-    return conflicts
+    return conflicts, regroups
 
 
 def _is_seq(p: Any) -> bool:

@@ -10,6 +10,7 @@ from torch import fx, nn
 from torch.fx import GraphModule, Node
 
 import tpcompile.collectives  # noqa: F401  (registers torch.ops.tpcompile.*)
+import tpcompile.piece_grads  # noqa: F401  (registers torch.ops.tpcompile.grad_piece_all_reduce)
 from tpcompile.passes.context import PassContext, internal_error
 from tpcompile.passes.rewrite_dropout import emit_dropout, emit_sdpa_with_dropout, is_live_dropout, sdpa_dropout
 from tpcompile.placement import Replicate, Shard, segment_ranges
@@ -78,6 +79,8 @@ def _rewrite_node(em: _Emitter, node: Node) -> None:
         em.env[node] = em.graph.node_copy(node, lambda n: em.env[n])
         return
     repl = {w.node: em.converted(w) for w in layout.wants}
+    if layout.role == "column":
+        repl.update(_piece_params(em, node))
     lookup: Callable[[Node], Node] = lambda n: repl.get(n, em.env[n])  # noqa: E731
     if layout.role == "row":
         em.env[node] = _emit_row(em, node, lookup)
@@ -97,6 +100,17 @@ def _rewrite_node(em: _Emitter, node: Node) -> None:
             new.meta.pop("val", None)
             new.meta.pop("tensor_meta", None)
         em.env[node] = new
+
+
+def _piece_params(em: _Emitter, node: Node) -> dict[Node, Node]:
+    """Parameters cut into fewer pieces than ranks: their gradients summed over the sharing ranks."""
+    out = {}
+    for p in node.all_input_nodes:
+        sl = em.ctx.slice_for(p.target) if p.op == "get_attr" else None
+        if sl is not None and sl.groups:
+            out[p] = em._once(("pieces", p), torch.ops.tpcompile.grad_piece_all_reduce.default,
+                              em.env[p], sl.dim, sl.groups, em.ctx.group)
+    return out
 
 
 def _emit_output(em: _Emitter, node: Node, gather: bool) -> None:
@@ -159,24 +173,28 @@ def _emit_vocab(em: _Emitter, node: Node, lookup: Callable[[Node], Node]) -> Nod
     return _reduce(em, node, rows)
 
 
-def _localize(em: _Emitter, node: Node, loc: tuple[str, int, int]) -> tuple:
-    """Divide the size of the sharded dim (a literal, or a run-time size) by the world size."""
-    kind, i, pos = loc
-    ws = em.ws
+def _localize(em: _Emitter, node: Node, locs: list[tuple]) -> tuple:
+    """Divide each named size (a literal, or a run-time size) by the ranks that split it."""
     args = list(node.args)
+    for kind, i, pos, divisor in locs:
+        args = _localize_one(em, node, args, kind, i, pos, divisor or em.ws)
+    return tuple(args)
+
+
+def _localize_one(em: _Emitter, node: Node, args: list, kind: str, i: int, pos: int, ws: int) -> list:
     if kind == "shape":
         sizes = list(args[i])
         if isinstance(sizes[pos], int) and sizes[pos] != -1:
             p = node.meta.get("tp_placement")
             padded = getattr(p, "padded", None) if isinstance(p, Shard) else None
-            sizes[pos] = (padded or sizes[pos]) // ws
+            sizes[pos] = (padded or sizes[pos]) // ws if ws == em.ws else sizes[pos] // ws
         elif isinstance(sizes[pos], Node):
             with em.graph.inserting_before(node):
                 sizes[pos] = em.call(operator.floordiv, sizes[pos], ws)
         args[i] = sizes
     elif kind == "split" and node.target is not aten.chunk.default:
         args[i] = [s // ws for s in args[i]] if isinstance(args[i], (list, tuple)) else args[i] // ws
-    return tuple(args)
+    return args
 
 
 def _drop_metadata_assert(node: Node) -> bool:
@@ -190,6 +208,9 @@ def local_tensor(t: torch.Tensor, sl: Any, rank: int, ws: int) -> torch.Tensor:
     """This rank's piece of a parameter (a copy, so ranks never share storage)."""
     if sl is None:
         return t.detach().clone()
+    if getattr(sl, "groups", None):  # one of `groups` pieces, shared by world_size/groups ranks
+        size = t.shape[sl.dim] // sl.groups
+        return t.narrow(sl.dim, rank // (ws // sl.groups) * size, size).detach().clone().contiguous()
     if getattr(sl, "padded", None):
         pad = list(t.shape)
         pad[sl.dim] = sl.padded - t.shape[sl.dim]

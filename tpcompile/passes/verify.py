@@ -13,8 +13,8 @@ def verify_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
         if sl is None:
             continue
         size = sl.padded or ctx.tensors[name].shape[sl.dim]
-        covered = sorted(r for rank in range(ctx.world_size)
-                         for r in segment_ranges(size, sl.segments, rank, ctx.world_size))
+        pieces = sl.groups or ctx.world_size
+        covered = sorted(r for rank in range(pieces) for r in segment_ranges(size, sl.segments, rank, pieces))
         pos = 0
         for a, b in covered:
             assert a == pos, f"slices of {name} along dim {sl.dim} leave a gap or overlap at {pos}"

@@ -21,6 +21,7 @@ class ParamSlice:
     dim: int
     segments: Optional[tuple[int, ...]] = None
     padded: Optional[int] = None  # cut as if zero-padded to this size
+    groups: Optional[int] = None  # cut into this many pieces, each held by world_size/groups ranks
 
 
 @dataclass
@@ -40,10 +41,11 @@ class Result:
     wants: list[Want] = field(default_factory=list)
     role: str = "generic"  # column | row | vocab | replicate | generic
     params: dict[Node, Optional[ParamSlice]] = field(default_factory=dict)
-    localize: Optional[tuple[str, int, int]] = None  # (kind, arg index, position) of a size literal
+    localize: Optional[list[tuple]] = None  # (kind, arg index, position, divisor) of size literals
     conflict: Optional[str] = None  # why the op cannot run on its sharded inputs
     demote_self: Optional[str] = None  # a seed that cannot be split, and why
     blame: Optional[list[Node]] = None  # the inputs at fault in a conflict (default: all sharded)
+    regroup: Optional[int] = None  # the conflict goes away if the origins split into this many pieces
 
 
 def to_size(s: Any) -> Size:
@@ -86,6 +88,7 @@ class RuleContext:
         self.demoted = demoted
         self.segment_hint = segment_hint
         self.sequence_parallel = False
+        self.groups_of: Callable[[Node], Optional[int]] = lambda n: None
 
     def seeing(self, placement_of: Callable[[Node], Placement]) -> "RuleContext":
         """The same context with placements read through `placement_of`."""

@@ -40,10 +40,13 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
                           demote_self=f"segment {bad[0]} not divisible by world size {ctx.world_size}")
         if bad:  # zero-padded to a multiple of the world size; fine up to a row split or the output
             padded = padded_size(wshape[out_dim], ctx.world_size)
-        out = replace(shard(len(ctx.shape(node)) - 1, segments), padded=padded)
-        params[w] = ParamSlice(out_dim, out.segments, padded)
+        pieces = ctx.groups_of(node)  # fewer pieces than ranks: each held by several ranks
+        if pieces:
+            segments, padded = (wshape[out_dim],), None
+        out = replace(shard(len(ctx.shape(node)) - 1, segments), padded=padded, groups=pieces)
+        params[w] = ParamSlice(out_dim, out.segments, padded, pieces)
         if isinstance(b, Node):
-            params[b] = ParamSlice(0, out.segments, padded)
+            params[b] = ParamSlice(0, out.segments, padded, pieces)
         return Result(out, [ctx.replicated_want(x, out)], role="column", params=params)
     if isinstance(px, Shard) and px.dim == len(xshape) - 1 and px.outer is None:
         params[w] = ParamSlice(in_dim, px.segments, px.padded)

@@ -60,6 +60,11 @@ def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: i
     (count may be a dynamic size, e.g. the batch folded into heads); each block is split evenly
     over the ranks. The output dim that holds whole blocks, evenly divisible, is the new shard.
     """
+    if p.split_next is not None:  # (piece, part of the next dim) is one contiguous 1/ws block
+        if p.dim + 1 >= len(ins):
+            return None, "grouped split reaches past the last dim"
+        merged = list(ins[:p.dim]) + [ins[p.dim] * ins[p.dim + 1]] + list(ins[p.dim + 2:])
+        return reshape_placement(Shard(p.dim), merged, outs, ws)
     groups = _groups(ins, outs)
     if groups is None:
         return None, "cannot match the input and output dims"
@@ -88,12 +93,12 @@ def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: i
             m = _exact(sympy.sympify(size) / sum(one))  # runs folded into this dim
             if m is None or not sizes_equal(pre * m, count * k):
                 continue
-            if any(s % ws for s in one):  # a finer dim may still hold whole blocks
+            if any(s % (p.groups or ws) for s in one):  # a finer dim may still hold whole blocks
                 sizes = "x".join(str(s) for s in outs_g)
                 why = (f"reshape splits a sharded dim of size {ins[p.dim]} into ({sizes}); "
                        f"{size} is not divisible by world size {ws}")
                 continue
-            return replace(shard(gj[u], one), outer=None if m == 1 else m), ""
+            return replace(shard(gj[u], one), outer=None if m == 1 else m, groups=p.groups), ""
         return None, why
     return None, "sharded dim not found"
 
@@ -114,6 +119,19 @@ def _exact(x: Size) -> Optional[Size]:
     return x if sympy.fraction(x)[1] == 1 and x.is_positive is not False else None
 
 
+def _regroup(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: int) -> Optional[int]:
+    """Fewer pieces than ranks that would make this reshape work (kv heads fewer than ranks)."""
+    if not p.plain:
+        return None
+    for g in range(ws // 2, 1, -1):
+        if ws % g:
+            continue
+        out, _ = reshape_placement(replace(p, groups=g), ins, outs, ws)
+        if out is not None and isinstance(outs[out.dim], int) and outs[out.dim] < ws:
+            return g
+    return None
+
+
 def reshape(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """view / reshape / flatten / (un)squeeze."""
     done = _passthrough(node, ctx)
@@ -123,14 +141,16 @@ def reshape(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     p = ctx.placement(x)
     out, why = reshape_placement(p, ctx.shape(x), ctx.shape(node), ctx.world_size)
     if out is None:
-        return _fail(node, why)
+        res = _fail(node, why)
+        res.regroup = _regroup(p, ctx.shape(x), ctx.shape(node), ctx.world_size)
+        return res
     res = Result(out, [Want(x, p)])
     if spec.get("shape_arg") is not None:
-        res.localize = ("shape", spec.get("shape_arg"), out.dim)
+        res.localize = [("shape", spec.get("shape_arg"), out.dim, out.groups)]
     elif spec.get("sizes_arg") is not None:  # unflatten: sizes of the dims that replace `dim`
         first = norm_dim(node.args[spec.get("dim_arg")], len(ctx.shape(x)))
         if 0 <= out.dim - first < len(node.args[spec.get("sizes_arg")]):
-            res.localize = ("shape", spec.get("sizes_arg"), out.dim - first)
+            res.localize = [("shape", spec.get("sizes_arg"), out.dim - first, out.groups)]
     return res
 
 
@@ -142,7 +162,16 @@ def expand(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     x = node.args[0]
     p = ctx.placement(x)
     out = moved(p, p.dim + len(ctx.shape(node)) - len(ctx.shape(x)))
-    return Result(out, [Want(x, p)], localize=("shape", 1, out.dim))
+    ins, outs = ctx.shape(x), ctx.shape(node)
+    nxt = p.dim + 1  # a dim broadcast right after a grouped one: split it within each piece
+    share = ctx.world_size // p.groups if p.groups else None
+    if share and p.split_next is None and nxt < len(ins) and ins[nxt] == 1 and isinstance(outs[out.dim + 1], int) \
+            and outs[out.dim + 1] % share == 0:
+        out = replace(out, split_next=share)
+    loc = [("shape", 1, out.dim, out.groups)]
+    if out.split_next:
+        loc.append(("shape", 1, out.dim + 1, out.split_next))
+    return Result(out, [Want(x, p)], localize=loc)
 
 
 def transpose(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
@@ -198,7 +227,7 @@ def split(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         outs.append(shard(dim, got))
     if any(int(s[dim]) % ctx.world_size for s in pieces):
         return _fail(node, "a split piece is not divisible by the world size")
-    return Result(tuple(outs), [Want(x, p)], localize=("split", 1, dim))
+    return Result(tuple(outs), [Want(x, p)], localize=[("split", 1, dim, None)])
 
 
 def unbind(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
