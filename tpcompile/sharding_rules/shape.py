@@ -144,6 +144,12 @@ def reshape(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         res = _fail(node, why)
         res.regroup = _regroup(p, ctx.shape(x), ctx.shape(node), ctx.world_size)
         return res
+    outs = ctx.shape(node)
+    if spec.get("shape_arg") is not None and out.dim > 0 and outs[out.dim - 1] == 1 and p.dim < len(ctx.shape(x)) \
+            and sizes_equal(ctx.shape(x)[p.dim], outs[out.dim]) and len(outs) > len(ctx.shape(x)):
+        # (.., N) viewed as (.., 1, N): one head of N, which whole heads cannot split
+        return _fail(node, f"reshape makes 1 head of {outs[out.dim]}; one head cannot be split "
+                           f"across {ctx.world_size} ranks")
     res = Result(out, [Want(x, p)])
     if spec.get("shape_arg") is not None:
         res.localize = [("shape", spec.get("shape_arg"), out.dim, out.groups)]
