@@ -105,6 +105,11 @@ class ShardedModel:
                     out.append((op, module_path(n)))
         return out
 
+    def merge_state_dicts(self, states: list[dict], *, strict: bool = True) -> dict:
+        """The original model's state dict, put together from every rank's `state_dict()`."""
+        from tpcompile.checkpoint import merge_state_dicts
+        return merge_state_dicts(self, states, strict=strict)
+
     def summary(self) -> str:
         """A readable table of the plan, bytes per rank and the forward collectives."""
         p = self.plan
