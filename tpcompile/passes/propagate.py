@@ -119,17 +119,23 @@ def _run_once(gm: GraphModule, ctx: PassContext) -> tuple[list, list]:
             why, blame = _check_wants(res, placement)
         if why and any(_is_seq(placement(i)) for i in inputs):
             res, why, blame = _gathering_seq(node, rctx, placement, res, why, blame)
-        downstream = any(i in tainted for i in inputs)  # decided on a guess this round: judge next round
+        # A conflicted op is taken as replicated for the rest of the sweep. That guess is what
+        # the next round computes when every origin of its inputs is replicated; when only some
+        # are (or they are regrouped), what follows it is a guess, judged in the next round.
+        downstream = any(i in tainted for i in inputs)
         if res.demote_self and not downstream:
             conflicts.append((frozenset([node]), f"{describe(node)}: {res.demote_self}"))
-        if why or downstream:
+        if downstream:
             tainted.add(node)
         if why and not downstream:
             blamed = frozenset().union(*(origins.get(b, frozenset()) for b in blame)) if blame else src
             if res.regroup and blamed and not any(o in ctx.groups for o in blamed):
                 regroups.append((blamed, res.regroup))  # split into fewer pieces instead
+                tainted.add(node)
             else:
                 conflicts.append((blamed or src, f"{describe(node)}: {why}"))
+                if (blamed or src) != src:
+                    tainted.add(node)
         if why:
             res = Result(_replicated_like(res.out), [Want(w.node, REPLICATE) for w in res.wants])
         for p, sl in res.params.items():
