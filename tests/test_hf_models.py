@@ -62,8 +62,12 @@ def test_llama_gqa_fewer_kv_heads_than_ranks(ws: int) -> None:
     from hf_models import ARCHS as all_archs
     arch = next(a for a in all_archs if a.name == "llama")
     model = build(arch, num_key_value_heads=1)
-    with pytest.warns(tpcompile.TPCompileWarning, match=r"at model\.layers\.0\.self_attn: .*replicating model\.layers\.0\.self_attn\.k_proj"):
+    with pytest.warns(tpcompile.TPCompileWarning) as rec:
         sm = tpcompile.shard(model, ws, example_kwargs=inputs(arch, 2, 8))
+    text = [str(w.message) for w in rec]
+    assert len(text) == 4  # k_proj and v_proj in each of the 2 layers
+    assert any(re.search(r"at model\.layers\.0\.self_attn: reshape makes 1 head of 16; one head cannot be split "
+                         r"across \d ranks; replicating model\.layers\.0\.self_attn\.k_proj", t) for t in text)
     assert sm.plan.modules["model.layers.0.self_attn.q_proj"] == "column"
     assert sm.plan.modules["model.layers.0.self_attn.k_proj"] == "replicated"
     assert sm.plan.modules["model.layers.0.self_attn.o_proj"] == "row"
