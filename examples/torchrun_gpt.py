@@ -31,6 +31,7 @@ def main() -> None:
         print(f"world size {world} on {dist.get_backend()}: rank 0 holds {params:,} of "
               f"{sum(p.numel() for p in model.parameters()):,} parameters; max |diff| {worst.item():.2e}")
         print("OK" if worst.item() <= 1e-5 else "MISMATCH")
+    dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
 
 

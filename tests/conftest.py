@@ -4,6 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+# Simulated ranks are threads sharing this machine's cores: one intra-op thread each keeps every
+# rank's arithmetic identical from run to run (a GEMM split over a varying number of threads can
+# round differently) and avoids oversubscribing the cores.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _deterministic() -> None:
