@@ -1,9 +1,7 @@
 """The bundled examples, sharded at 1, 2 and 4 ranks, compute what the original computes."""
 from __future__ import annotations
 
-import math
 import re
-import warnings
 
 import pytest
 import torch

@@ -155,11 +155,11 @@ def _make_plan(gm: GraphModule, ctx: PassContext) -> Plan:
             continue
         seen.add(id(t))
         sl = ctx.slice_for(name)
-        owners = [owner_path(n) for n, other in ctx.tensors.items() if other is t]
+        owners = [owner_path(n) for n in ctx.aliases(name)]
         roles = [plan.modules[o] for o in owners if o in plan.modules]
         role = next((r for r in roles if r != "replicated"), "replicated") if sl is not None else "replicated"
         local = tuple(local_tensor(torch.empty(t.shape, device="meta"), sl, 0, ctx.world_size).shape)
-        tied = tuple(n for n, other in ctx.tensors.items() if other is t and n != name)
+        tied = tuple(n for n in ctx.aliases(name) if n != name)
         plan.parameters[name] = ParamPlan(name, role, None if sl is None else sl.dim,
                                           None if sl is None else sl.segments, tuple(t.shape), local, tied,
                                           None if sl is None else sl.padded, None if sl is None else sl.groups)

@@ -63,6 +63,11 @@ def shard(dim: int, segments: Optional[Sequence[int]] = None) -> Shard:
     return Shard(dim, segs)
 
 
+def is_seq(p: object) -> bool:
+    """True for a sequence-parallel (token) sharding."""
+    return isinstance(p, Shard) and p.seq
+
+
 def moved(p: Shard, dim: int) -> Shard:
     """The same sharding (segments, sequence flag) on another dim."""
     return replace(p, dim=dim)

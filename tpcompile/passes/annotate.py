@@ -36,7 +36,7 @@ def _owner(node: Node, spec: RuleSpec, ctx: PassContext) -> Optional[str]:
     w = node.args[spec.get("weight", 0)]
     if not (isinstance(w, Node) and w.op == "get_attr" and w.target in ctx.tensors):
         return None
-    tied = sum(t is ctx.tensors[w.target] for t in ctx.tensors.values()) > 1
+    tied = len(ctx.aliases(w.target)) > 1
     return (module_path(node) if tied else "") or owner_path(w.target)
 
 

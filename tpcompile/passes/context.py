@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch.fx import Node
@@ -27,16 +27,22 @@ class PassContext:
     param_slices: dict[str, Optional[ParamSlice]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     iterations: int = 0
+    _names: Optional[dict[int, list[str]]] = field(default=None, repr=False)  # id(tensor) -> names
 
     def slice_for(self, name: str) -> Optional[ParamSlice]:
         """How the parameter or buffer `name` is cut, looking through tied aliases."""
         if name in self.param_slices:
             return self.param_slices[name]
+        return next((self.param_slices[n] for n in self.aliases(name) if self.param_slices.get(n)), None)
+
+    def aliases(self, name: str) -> list[str]:
+        """Every name of the tensor called `name` (tied parameters have several), itself included."""
+        if self._names is None:
+            self._names = {}
+            for n, t in self.tensors.items():
+                self._names.setdefault(id(t), []).append(n)
         t = self.tensors.get(name)
-        for other, sl in self.param_slices.items():
-            if sl is not None and self.tensors.get(other) is t:
-                return sl
-        return None
+        return self._names.get(id(t), [name]) if t is not None else [name]
 
     def plan_for(self, module_path: str) -> str:
         """The plan value covering a module path (longest matching prefix), default 'auto'."""

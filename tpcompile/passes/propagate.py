@@ -18,8 +18,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from tpcompile.errors import TPCompileError
-from tpcompile.passes.context import PassContext, describe, internal_error, module_path, owner_path
-from tpcompile.placement import REPLICATE, Replicate, Shard
+from tpcompile.passes.context import PassContext, describe, internal_error
+from tpcompile.placement import REPLICATE, Replicate, Shard, is_seq
 from tpcompile.sharding_rules.context import ParamSlice, Result, RuleContext, Want
 from tpcompile.sharding_rules.rules import apply_rule
 
@@ -117,7 +117,7 @@ def _run_once(gm: GraphModule, ctx: PassContext) -> tuple[list, list]:
         why, blame = res.conflict, res.blame
         if why is None:
             why, blame = _check_wants(res, placement)
-        if why and any(_is_seq(placement(i)) for i in inputs):
+        if why and any(is_seq(placement(i)) for i in inputs):
             res, why, blame = _gathering_seq(node, rctx, placement, res, why, blame)
         # A conflicted op is taken as replicated for the rest of the sweep. That guess is what
         # the next round computes when every origin of its inputs is replicated; when only some
@@ -142,7 +142,7 @@ def _run_once(gm: GraphModule, ctx: PassContext) -> tuple[list, list]:
             requests.setdefault(p.target, {}).setdefault(sl, set()).add(node)
         node.meta["tp_placement"] = res.out
         node.meta["tp_layout"] = Layout(res.role, res.wants, res.localize)
-        if _sharded(res.out) and not _is_seq(res.out):
+        if _sharded(res.out) and not is_seq(res.out):
             origins[node] = src | (frozenset([node]) if res.role in SEED_ROLES else frozenset())
     ctx.param_slices = {}
     for target, by_slice in requests.items():
@@ -153,14 +153,9 @@ def _run_once(gm: GraphModule, ctx: PassContext) -> tuple[list, list]:
     return conflicts, regroups
 
 
-def _is_seq(p: Any) -> bool:
-    """True for a sequence-parallel (token) sharding."""
-    return isinstance(p, Shard) and p.seq
-
-
 def _gathering_seq(node: Node, rctx: RuleContext, placement: Any, res: Result, why: str, blame: Any) -> tuple:
     """Retry an op that cannot take token-split inputs with those inputs gathered first."""
-    gathered = {i for i in node.all_input_nodes if _is_seq(placement(i))}
+    gathered = {i for i in node.all_input_nodes if is_seq(placement(i))}
     def view(n: Any) -> Any:
         return REPLICATE if n in gathered else placement(n)
     retry = _result(node, rctx.seeing(view), view)
@@ -212,7 +207,7 @@ def _check_wants(res: Result, placement: Any) -> tuple[Optional[str], Optional[l
             continue
         if isinstance(have, Replicate) and isinstance(w.placement, Shard) and w.placement.plain:
             continue  # a local slice, no communication
-        if _is_seq(have) and isinstance(w.placement, Replicate):
+        if is_seq(have) and isinstance(w.placement, Replicate):
             continue  # an all-gather of the tokens
         return f"input {w.node.name} is {have} but the op needs {w.placement}", [w.node]
     return None, None

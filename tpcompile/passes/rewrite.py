@@ -13,7 +13,7 @@ import tpcompile.collectives  # noqa: F401  (registers torch.ops.tpcompile.*)
 import tpcompile.piece_grads  # noqa: F401  (registers torch.ops.tpcompile.grad_piece_all_reduce)
 from tpcompile.passes.context import PassContext, internal_error
 from tpcompile.passes.rewrite_dropout import emit_dropout, emit_sdpa_with_dropout, is_live_dropout, sdpa_dropout
-from tpcompile.placement import Replicate, Shard, segment_ranges
+from tpcompile.placement import Replicate, Shard, is_seq, segment_ranges
 from tpcompile.sharding_rules.context import Want
 
 aten = torch.ops.aten
@@ -39,7 +39,7 @@ class _Emitter:
     def converted(self, w: Want) -> Node:
         """The new-graph value of an input, redistributed to what the consuming op wants."""
         have, src = w.node.meta.get("tp_placement"), self.env[w.node]
-        if isinstance(have, Shard) and have.seq and isinstance(w.placement, Replicate):
+        if is_seq(have) and isinstance(w.placement, Replicate):
             # region entry under sequence parallelism: gather the tokens; a split consumer's
             # gradient is partial, so it is reduce-scattered back (all_gather's backward)
             op = tp.all_gather.default if w.grad_sync else tp.all_gather_replicated.default
@@ -131,29 +131,16 @@ def _emit_row(em: _Emitter, node: Node, lookup: Callable[[Node], Node]) -> Node:
     x, w = lookup(node.args[spec.get("input")]), lookup(node.args[spec.get("weight")])
     bi = spec.get("bias")
     bias = node.args[bi] if bi is not None and bi < len(node.args) else None
-    if node.target is aten.linear.default:
-        y = em.call(aten.linear.default, x, w)
-    elif node.target is aten.matmul.default:
-        y = em.call(aten.matmul.default, x, w)
-    else:
-        y = em.call(aten.mm.default, x, w)
+    # the same matmul without its bias (addmm's bias goes, leaving mm)
+    y = em.call(aten.mm.default if node.target is aten.addmm.default else node.target, x, w)
     y = _reduce(em, node, y)
-    if not isinstance(bias, Node):
-        return y
-    b = lookup(bias)
-    if _is_seq(node.meta.get("tp_placement")):  # each rank adds the bias to its own tokens only
-        b = em._once(("grad_all_reduce", bias), tp.grad_all_reduce.default, b, em.ctx.group)
-    return em.call(aten.add.Tensor, y, b)
-
-
-def _is_seq(p: Any) -> bool:
-    return isinstance(p, Shard) and p.seq
+    return em.call(aten.add.Tensor, y, lookup(bias)) if isinstance(bias, Node) else y
 
 
 def _reduce(em: _Emitter, node: Node, y: Node) -> Node:
     """Sum the ranks' partial results: all-reduce, or reduce-scatter by tokens under SP."""
     p = node.meta.get("tp_placement")
-    if _is_seq(p):
+    if is_seq(p):
         return em.call(tp.reduce_scatter.default, y, p.dim, em.ctx.group)
     return em.call(tp.all_reduce.default, y, em.ctx.group)
 

@@ -50,7 +50,10 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return Result(out, [ctx.replicated_want(x, out)], role="column", params=params)
     if isinstance(px, Shard) and px.dim == len(xshape) - 1 and px.outer is None:
         params[w] = ParamSlice(in_dim, px.segments, px.padded)
-        return Result(ctx.reduced(node), [Want(x, px)], role="row", params=params)
+        out = ctx.reduced(node)
+        # the bias is added once, after the reduce; on token-split output its gradient is partial
+        bias = [ctx.replicated_want(b, out)] if isinstance(b, Node) else []
+        return Result(out, [Want(x, px)] + bias, role="row", params=params)
     return Result(REPLICATE, [Want(x, REPLICATE)], params=params,
                   conflict=f"input is sharded on dim {px.dim}, not on the contracted dim")
 
