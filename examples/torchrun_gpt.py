@@ -1,8 +1,9 @@
 """Run the bundled GPT tensor-parallel under torchrun:
 
-    torchrun --nproc_per_node 2 examples/torchrun_gpt.py
+    torchrun --nproc-per-node 2 examples/torchrun_gpt.py
 
-Every process shards the model itself and keeps only its own rank's weights.
+Every process shards the model itself and keeps only its own rank's weights; on GPUs the same
+command runs on NCCL, each rank on cuda:LOCAL_RANK.
 """
 from __future__ import annotations
 
@@ -15,16 +16,16 @@ from tpcompile.runtime import init_from_env
 
 
 def main() -> None:
-    """Shard, run this rank, compare with the unsharded model, report from rank 0."""
+    """Parallelize, run this rank, compare with the unsharded model, report from rank 0."""
+    owned = not dist.is_initialized()
     rank, world = init_from_env()
-    torch.set_num_threads(1)
     model = build("gpt")
-    sm = tpcompile.shard(model, world, example_inputs=model.example_inputs())
-    local = sm.rank(rank)
+    local = tpcompile.parallelize(model, example_inputs=model.example_inputs())
+    device = next(local.parameters()).device
     idx = torch.randint(0, 256, (3, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        diff = (local(idx) - model(idx)).abs().max()
-    worst = diff.clone()
+        diff = (local(idx.to(device)).cpu() - model(idx)).abs().max()
+    worst = diff.to(device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     if rank == 0:
         params = sum(p.numel() for p in local.parameters())
@@ -32,7 +33,8 @@ def main() -> None:
               f"{sum(p.numel() for p in model.parameters()):,} parameters; max |diff| {worst.item():.2e}")
         print("OK" if worst.item() <= 1e-5 else "MISMATCH")
     dist.barrier()  # no rank tears the group down while another still uses it
-    dist.destroy_process_group()
+    if owned:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,20 +1,27 @@
-"""Train the bundled GPT unsharded and sharded across 2 simulated ranks, and compare the losses.
+"""Train the bundled GPT tensor-parallel and compare its losses with unsharded training.
 
-Both runs start from the same weights and see the same batches of a small synthetic dataset:
-each sequence follows a fixed random successor table (token t is followed by succ[t]), so
-the model can learn it and the loss falls quickly. Every rank keeps its own AdamW over its
-own slice of the parameters; the loss is computed outside the model from the gathered logits.
+    python examples/train_gpt.py                                  # 2 simulated ranks vs. unsharded
+    python examples/train_gpt.py --world-size 1 --json            # unsharded only (the reference)
+    torchrun --nproc-per-node 2 examples/train_gpt.py --json      # real ranks (gloo, or NCCL on GPUs)
+
+Every run starts from the same weights and sees the same batches of a small synthetic dataset:
+each sequence follows a fixed random successor table (token t is followed by succ[t]), so the
+model can learn it and the loss falls quickly. Every rank keeps its own AdamW over its own
+slice of the parameters; the loss is computed outside the model from the gathered logits.
 """
 
 import argparse
-import copy
+import json
+import os
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import tpcompile
 from tpcompile.models import build
+from tpcompile.runtime import init_from_env
 
 
 def make_dataset(vocab: int, n_seq: int, length: int, seed: int = 0) -> torch.Tensor:
@@ -33,62 +40,96 @@ def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def main() -> None:
-    """Train both ways, print the two loss curves side by side and their largest difference."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    opts = parser.parse_args()
-    ws = opts.world_size
-
-    model = build("gpt").train()  # dropout is 0, so training is deterministic
+def setup(steps: int) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    """The bundled GPT in training mode (dropout 0, so deterministic) and `steps` batches."""
+    model = build("gpt").train()
     data = make_dataset(model.config.vocab_size, n_seq=64, length=32)
-    batches = [data[(8 * i) % len(data):][:8] for i in range(opts.steps)]
+    return model, [data[(8 * i) % len(data):][:8] for i in range(steps)]
 
-    start = time.perf_counter()
-    sharded = tpcompile.shard(model, ws, example_inputs=(batches[0],))
-    ranks = [sharded.rank(r) for r in range(ws)]  # build every rank graph before the threads start
-    print(f"sharded over {ws} ranks in {time.perf_counter() - start:.1f} s; "
-          f"rank 0 holds {sum(p.numel() for p in ranks[0].parameters()):,} of "
-          f"{sum(p.numel() for p in model.parameters()):,} parameters")
 
-    reference = copy.deepcopy(model)
-    opt = torch.optim.AdamW(reference.parameters(), lr=opts.lr)
-    ref_losses = []
+def train(model: torch.nn.Module, batches: list[torch.Tensor], lr: float) -> list[float]:
+    """AdamW steps of `model` (whole, or one rank's module) on the batches; the losses."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    device = next(model.parameters()).device
+    losses = []
     for ids in batches:
+        ids = ids.to(device)
         opt.zero_grad()
-        loss = next_token_loss(reference(ids), ids)
+        loss = next_token_loss(model(ids), ids)
         loss.backward()
         opt.step()
-        ref_losses.append(loss.item())
+        losses.append(loss.item())
+    return losses
 
-    rank_opts = [torch.optim.AdamW(gm.parameters(), lr=opts.lr) for gm in ranks]
-    rank_losses: list[list[float]] = [[] for _ in range(ws)]
 
-    def train_step(ids: torch.Tensor):
-        def run(r: int) -> None:
-            rank_opts[r].zero_grad()
-            loss = next_token_loss(ranks[r](ids), ids)
-            loss.backward()
-            rank_opts[r].step()
-            rank_losses[r].append(loss.item())
-        return run
+def reference_losses(steps: int = 20, lr: float = 3e-3) -> list[float]:
+    """Unsharded training: the losses every sharded run should reproduce."""
+    model, batches = setup(steps)
+    return train(model, batches, lr)
 
-    for ids in batches:
-        tpcompile.simulate_ranks(ws, train_step(ids))
 
-    print(f"\n{'step':>4}  {'unsharded':>10}  {'sharded':>10}  {'rel diff':>9}")
+def run_distributed(opts: argparse.Namespace) -> None:
+    """One rank of a torchrun launch: parallelize, train, check the ranks agree, report from rank 0."""
+    owned = not dist.is_initialized()
+    rank, world = init_from_env()
+    model, batches = setup(opts.steps)
+    local = tpcompile.parallelize(model, example_inputs=(batches[0],))
+    losses = train(local, batches, opts.lr)
+    every: list = [None] * world
+    dist.all_gather_object(every, losses)
+    if any(lo != losses for lo in every):
+        raise SystemExit(f"the ranks disagree on the losses: {every}")
+    if rank == 0:
+        if opts.json:
+            print(json.dumps({"world_size": world, "backend": dist.get_backend(), "losses": losses}))
+        else:
+            for step, loss in enumerate(losses):
+                print(f"step {step:>3}  loss {loss:.6f}")
+    dist.barrier()  # no rank tears the group down while another still uses it
+    if owned:
+        dist.destroy_process_group()
+
+
+def run_local(opts: argparse.Namespace) -> None:
+    """Without torchrun: unsharded training, and (world size > 1) simulated ranks beside it."""
+    ws = opts.world_size
+    start = time.perf_counter()
+    ref = reference_losses(opts.steps, opts.lr)
+    if ws == 1:
+        print(json.dumps({"world_size": 1, "losses": ref}) if opts.json else
+              "\n".join(f"step {s:>3}  loss {lo:.6f}" for s, lo in enumerate(ref)))
+        return
+    model, batches = setup(opts.steps)
+    sharded = tpcompile.shard(model, ws, example_inputs=(batches[0],))
+    ranks = [sharded.rank(r) for r in range(ws)]  # build every rank graph before the threads start
+    per_rank = tpcompile.simulate_ranks(ws, lambda r: train(ranks[r], batches, opts.lr))
+    if any(lo != per_rank[0] for lo in per_rank):
+        raise SystemExit(f"the ranks disagree on the losses: {per_rank}")
+    if opts.json:
+        print(json.dumps({"world_size": ws, "losses": per_rank[0], "reference": ref}))
+        return
+    print(f"{'step':>4}  {'unsharded':>10}  {'sharded':>10}  {'rel diff':>9}")
     worst = 0.0
-    for step, want in enumerate(ref_losses):
-        got = rank_losses[0][step]
-        if any(losses[step] != got for losses in rank_losses):
-            raise SystemExit(f"step {step}: the ranks disagree on the loss: {[lo[step] for lo in rank_losses]}")
+    for step, (want, got) in enumerate(zip(ref, per_rank[0])):
         rel = abs(got - want) / abs(want)
         worst = max(worst, rel)
         print(f"{step:>4}  {want:>10.6f}  {got:>10.6f}  {rel:>9.2e}")
-    print(f"\nmax relative loss difference over {len(batches)} steps: {worst:.2e} "
+    print(f"\nmax relative loss difference over {len(ref)} steps at {ws} simulated ranks: {worst:.2e} "
           f"(every rank reports the same loss); total {time.perf_counter() - start:.1f} s")
+
+
+def main() -> None:
+    """Under torchrun, one rank of the real run; otherwise the local comparison."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--world-size", type=int, default=2, help="simulated ranks (ignored under torchrun)")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--json", action="store_true", help="print the losses as one JSON line")
+    opts = parser.parse_args()
+    if "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ:
+        run_distributed(opts)
+    else:
+        run_local(opts)
 
 
 if __name__ == "__main__":

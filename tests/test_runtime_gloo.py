@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch.distributed as dist
 
 from tpcompile import collectives as C
 from tpcompile.errors import TPCompileError
-from tpcompile.runtime import free_port, init_from_env, launch
+from tpcompile.runtime import DEFAULT_TIMEOUT_S, collective_timeout, free_port, init_from_env, launch
 
 pytestmark = pytest.mark.gloo
 
@@ -134,3 +135,31 @@ def test_init_from_env_without_torchrun(monkeypatch: pytest.MonkeyPatch) -> None
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(TPCompileError, match="RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"):
         init_from_env()
+
+
+def test_collective_timeout_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TPCOMPILE_TIMEOUT_S sets the group timeout (default DEFAULT_TIMEOUT_S); a bad value is named."""
+    monkeypatch.delenv("TPCOMPILE_TIMEOUT_S", raising=False)
+    assert collective_timeout() == timedelta(seconds=DEFAULT_TIMEOUT_S)
+    monkeypatch.setenv("TPCOMPILE_TIMEOUT_S", "12.5")
+    assert collective_timeout() == timedelta(seconds=12.5)
+    for bad in ("0", "soon"):
+        monkeypatch.setenv("TPCOMPILE_TIMEOUT_S", bad)
+        with pytest.raises(TPCompileError, match=f"TPCOMPILE_TIMEOUT_S='{bad}'"):
+            collective_timeout()
+
+
+def test_init_from_env_standalone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """standalone=True without torchrun's variables starts a one-rank gloo group with the timeout set."""
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.setenv(key, "x")  # recorded as absent, so the test leaves the environment as it was
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("TPCOMPILE_TIMEOUT_S", "42")
+    assert not dist.is_initialized()
+    try:
+        assert init_from_env(standalone=True) == (0, 1)
+        assert dist.get_backend() == "gloo"
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        assert backend.options._timeout == timedelta(seconds=42)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,100 @@
+"""The startup check: ranks compare their collective schedules and mismatches fail fast, naming the collective."""
+from __future__ import annotations
+
+import copy
+import operator
+
+import pytest
+import torch
+
+import tpcompile
+from tpcompile import collectives as C
+from tpcompile.fingerprint import digest, first_difference, schedule
+from tpcompile.models import GPT, GPTConfig
+from dist_run import results
+
+
+def _schedules(cfg: GPTConfig, ws: int = 2) -> tuple[tpcompile.ShardedModel, list]:
+    """(sharded model, each rank's schedule), traced on fake tensors with a registered world size."""
+    C.register_group("fp", ws)
+    sm = tpcompile.shard(GPT(cfg), ws, group="fp")
+    fake = [n.meta["val"] for n in sm.captured.graph.nodes if n.op == "placeholder"]
+    return sm, [schedule(sm.rank(r), fake) for r in range(ws)]
+
+
+@pytest.fixture(scope="module")
+def gpt() -> tuple[tpcompile.ShardedModel, list]:
+    """The bundled-size GPT at 2 ranks and its schedules, made once for this file."""
+    try:
+        yield _schedules(GPTConfig())
+    finally:
+        C.unregister_group("fp")
+
+
+def test_schedule_is_symbolic_and_is_what_runs(gpt: tuple) -> None:
+    """Ranks' schedules agree, use symbolic batch/length, and match the collectives a forward executes."""
+    sm, (s0, s1) = gpt
+    assert s0 == s1 and digest(s0) == digest(s1)
+    # the vocabulary embedding's, then one per attention block and one per MLP
+    assert [e[0] for e in s0].count("all_reduce") == 5
+    assert s0[-1][:2] == ("all_gather_replicated", ("d0", "d1", "128"))
+    idx = torch.randint(0, 256, (3, 5))
+    with C.record() as events:
+        tpcompile.simulate(sm, idx)
+    ran = [(e.op, e.shape) for e in events if e.rank == 0 and e.phase == "forward"]
+    sizes = {"d0": 3, "d1": 5}
+    planned = [(op, tuple(sizes.get(d, int(d) if d.isdigit() else d) for d in shape))
+               for op, shape, _, _ in s0 if op in C.FORWARD_COMMUNICATING]
+    assert ran == planned
+
+
+def test_a_removed_collective_is_named(gpt: tuple) -> None:
+    """Rank 1's graph with its first all_reduce cut out differs at that index, named with both sides."""
+    sm, (s0, _) = gpt
+    gm = copy.deepcopy(sm.rank(1))
+    node = next(n for n in gm.graph.nodes if getattr(n.target, "_opname", "") == "all_reduce")
+    index = [getattr(n.target, "_opname", None) for n in gm.graph.nodes
+             if getattr(n.target, "namespace", None) == "tpcompile"].index("all_reduce")
+    node.replace_all_uses_with(node.args[0])
+    gm.graph.erase_node(node)
+    gm.recompile()
+    fake = [n.meta["val"] for n in sm.captured.graph.nodes if n.op == "placeholder"]
+    why = first_difference([s0, schedule(gm, fake)])
+    assert why is not None
+    assert f"at collective #{index}: rank 0 issues all_reduce((d0, d1, 64), torch.float32, group)" in why
+    assert f"rank 1 issues {s0[index + 1][0]}" in why
+    assert first_difference([s0, s0, s0]) is None
+
+
+def test_different_models_differ(gpt: tuple) -> None:
+    """A model with one more block has a different schedule; the shorter one 'ends here'."""
+    _, (a, _) = gpt
+    _, (b, _) = _schedules(GPTConfig(n_layer=3))
+    assert digest(a) != digest(b)
+    assert "collective #" in first_difference([a, b])
+    assert "nothing (its schedule ends here)" in first_difference([a, a[:-1]])
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("rank", [0, 1])
+def test_mismatching_ranks_fail_fast_with_the_first_difference(rank: int) -> None:
+    """Two gloo ranks sharding different models (rank 1 has 3 blocks) both raise, in seconds, not hang."""
+    res = results()["ranks"][rank]
+    assert res["mismatch"] is not None
+    assert res["mismatch"].startswith("collective schedules differ between ranks at collective #10: "
+                                      "rank 0 issues all_gather_replicated((d0, d1, 125), torch.float32")
+    assert "rank 1 issues all_reduce((d0, d1, 64), torch.float32" in res["mismatch"]
+    assert "(rank 0 has 11 collectives, rank 1 15)" in res["mismatch"]
+    assert res["mismatch_s"] < 60  # capture + the exchange; a hang would sit out the 240 s launch
+    assert operator.eq(results()["ranks"][0]["mismatch"], results()["ranks"][1]["mismatch"])
+
+
+def test_untraceable_graph_falls_back_to_graph_order(gpt: tuple, caplog: pytest.LogCaptureFixture) -> None:
+    """If fake tracing fails, the schedule is the collectives in graph order, shapes unknown, with a warning."""
+    sm, (s0, _) = gpt
+    with caplog.at_level("WARNING", logger="tpcompile"):
+        fake = [n.meta["val"].float() for n in sm.captured.graph.nodes if n.op == "placeholder"]
+        rough = schedule(sm.rank(0), fake)  # float token ids: the embedding cannot run
+    assert [e[0] for e in rough] == [e[0] for e in s0]
+    assert {e[1] for e in rough} == {("?",)}
+    assert "fake-tensor tracing failed" in caplog.text

@@ -1,0 +1,121 @@
+"""Startup check: every rank's graph issues the same collectives, in the same order, on the same shapes."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.fx import GraphModule, Interpreter
+
+from tpcompile.errors import TPCompileError
+
+__all__ = ["check_schedules", "digest", "first_difference", "schedule"]
+
+log = logging.getLogger("tpcompile")
+
+Entry = tuple[str, tuple[str, ...], str, tuple]  # (op, shape, dtype, other arguments)
+
+
+class _Recorder(Interpreter):
+    """Runs a rank graph on fake tensors, noting each collective's input."""
+
+    def __init__(self, gm: GraphModule, group_name: str) -> None:
+        super().__init__(gm)
+        self.group_name = group_name
+        self.entries: list[Entry] = []
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        # export's input guards need concrete sizes; the captured graph already checked them
+        return None if target == "_guards_fn" else super().call_module(target, args, kwargs)
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if getattr(target, "namespace", None) == "tpcompile":
+            x = args[0]
+            # the group's key differs between processes (it holds an object id): name it alike
+            rest = tuple(self.group_name if isinstance(a, str) else a for a in args[1:])
+            self.entries.append((target._opname, tuple(str(d) for d in x.shape), str(x.dtype), rest))
+        return super().call_function(target, args, kwargs)
+
+
+def schedule(gm: GraphModule, fake_inputs: list, *, group_name: str = "group") -> list[Entry]:
+    """The (op, shape with symbolic dims, dtype, arguments) of each collective a rank runs in forward.
+
+    `fake_inputs` are the captured graph's placeholder values (fake tensors with symbolic
+    sizes), so the schedule holds for every batch size and sequence length at once.
+    """
+    mode = next((v.fake_mode for v in fake_inputs if hasattr(v, "fake_mode")), None)
+    if mode is None:
+        raise TPCompileError("schedule needs the captured graph's fake inputs (placeholder meta['val'])")
+    rec = _Recorder(gm, group_name)
+    saved = mode.allow_non_fake_inputs
+    mode.allow_non_fake_inputs = True  # the rank's own (real or meta) parameters
+    try:
+        with mode, torch.no_grad():
+            rec.run(*fake_inputs)
+    except Exception as e:  # noqa: BLE001  a graph fake tensors cannot run still gets a check
+        log.warning("collective schedule without shapes: fake-tensor tracing failed (%s: %s)",
+                    type(e).__name__, e)
+        return _structural(gm, group_name)
+    finally:
+        mode.allow_non_fake_inputs = saved
+    return _rename_symbols(rec.entries)
+
+
+def _structural(gm: GraphModule, group_name: str) -> list[Entry]:
+    """The collectives in graph order (the order they run), shapes and dtypes unknown."""
+    return [(n.target._opname, ("?",), "?", tuple(group_name if isinstance(a, str) else a for a in n.args[1:]))
+            for n in gm.graph.nodes
+            if n.op == "call_function" and getattr(n.target, "namespace", None) == "tpcompile"]
+
+
+def _rename_symbols(entries: list[Entry]) -> list[Entry]:
+    """Symbols renamed d0, d1, ... by first use, so that equal schedules compare equal."""
+    names: dict[str, str] = {}
+
+    def sub(m: re.Match) -> str:
+        return names.setdefault(m.group(0), f"d{len(names)}")
+    return [(op, tuple(re.sub(r"\b[su]\d+\b", sub, d) for d in shape), dtype, rest)
+            for op, shape, dtype, rest in entries]
+
+
+def digest(entries: list[Entry]) -> str:
+    """A short hash of a schedule, for logs."""
+    return hashlib.sha256(repr(entries).encode()).hexdigest()[:16]
+
+
+def _describe(e: Optional[Entry]) -> str:
+    if e is None:
+        return "nothing (its schedule ends here)"
+    op, shape, dtype, rest = e
+    return f"{op}(({', '.join(shape)}), {dtype}{''.join(f', {a}' for a in rest)})"
+
+
+def first_difference(schedules: list[list[Entry]]) -> Optional[str]:
+    """None when every rank's schedule equals rank 0's, else a message naming the first difference."""
+    ref = schedules[0]
+    for r, other in enumerate(schedules[1:], start=1):
+        if other == ref:
+            continue
+        i = next((k for k, (a, b) in enumerate(zip(ref, other)) if a != b), min(len(ref), len(other)))
+        at = lambda s: s[i] if i < len(s) else None  # noqa: E731
+        return (f"collective schedules differ between ranks at collective #{i}: rank 0 issues "
+                f"{_describe(at(ref))}, rank {r} issues {_describe(at(other))} (rank 0 has "
+                f"{len(ref)} collectives, rank {r} {len(other)}). Every rank must shard the same "
+                f"model with the same config, plan, world size and example inputs' ranks")
+    return None
+
+
+def check_schedules(entries: list[Entry], group: Any = None) -> str:
+    """Exchange schedules over the process group; raise TPCompileError on the first mismatch.
+
+    Runs on every rank; the exchange is bounded by the group's timeout. Returns the digest.
+    """
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, entries, group=group)
+    why = first_difference(gathered)
+    if why is not None:
+        raise TPCompileError(why)
+    return digest(entries)
