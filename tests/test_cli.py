@@ -1,155 +1,165 @@
-"""The tpcompile command line, run in-process through main()."""
+"""The tpcompile command, run as a new user would: a model file written here, each subcommand a subprocess."""
+from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 import torch
 
 import tpcompile
-from tpcompile import cli
-from tpcompile.cli import main, max_abs_diff
-from tpcompile.models import build
+from tpcompile.loading import load_model
+
+# A vocabulary embedding, an FFN with a residual and a head: vocab, column and row splits and a gather.
+TINY = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Tiny(nn.Module):
+    def __init__(self, vocab: int = 32, width: int = 16, hidden: int = 64) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        h = h + self.down(F.gelu(self.up(h)))
+        return self.head(h)
+
+    def example_inputs(self) -> tuple:
+        return (torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(0)),)
+
+'''
 
 
 @pytest.fixture(scope="module")
-def mlp_sharded() -> object:
-    """The bundled MLP sharded over 2 ranks through the Python API, for comparison with the CLI."""
-    model = build("mlp")
-    return tpcompile.shard(model, 2, example_inputs=model.example_inputs())
+def model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The user's model file."""
+    path = tmp_path_factory.mktemp("user") / "tiny.py"
+    path.write_text(TINY)
+    return path
 
 
-def test_plan_prints_the_api_summary(capsys: pytest.CaptureFixture[str], mlp_sharded: object) -> None:
-    """`plan mlp -w 2` exits 0 and prints exactly what ShardedModel.summary() returns."""
-    assert main(["plan", "mlp", "-w", "2"]) == 0
-    out = capsys.readouterr().out
-    assert mlp_sharded.summary().strip() in out
+def tpc(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Run `python -m tpcompile ARGS` as a separate process, output piped."""
+    # one intra-op thread, like the in-process tests: the suite's processes share a small machine
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "tpcompile", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=240, env=env)
 
 
-def test_dump_prints_every_rank(capsys: pytest.CaptureFixture[str], mlp_sharded: object) -> None:
-    """`dump` prints each rank's generated code, and the code calls a tpcompile collective."""
-    assert main(["dump", "mlp", "-w", "2"]) == 0
-    out = capsys.readouterr().out
-    for r in range(2):
-        assert f"# ---- rank {r} of 2 ----" in out
-        assert mlp_sharded.rank(r).code.strip() in out
-    assert "tpcompile" in mlp_sharded.rank(0).code
+def _sharded(model_file: Path, world_size: int = 2, **config: object) -> tuple:
+    """The same model sharded through the Python API, for comparison with what the command printed."""
+    model, args, kwargs = load_model(f"{model_file}:Tiny", config)
+    return model, args, tpcompile.shard(model, world_size, example_inputs=args)
 
 
-def test_dump_writes_one_file_per_rank(tmp_path: Path, mlp_sharded: object) -> None:
-    """`dump --out DIR` writes rank<R>.py holding that rank's code."""
-    assert main(["dump", "mlp", "-w", "2", "--out", str(tmp_path)]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.py", "rank1.py"]
-    assert (tmp_path / "rank1.py").read_text() == mlp_sharded.rank(1).code
-
-
-def test_dump_single_rank(capsys: pytest.CaptureFixture[str]) -> None:
-    """`dump --rank 1` prints rank 1 only."""
-    assert main(["dump", "mlp", "-w", "2", "--rank", "1"]) == 0
-    out = capsys.readouterr().out
-    assert "# ---- rank 1 of 2 ----" in out and "# ---- rank 0" not in out
-
-
-def test_diff_shows_inserted_collectives(capsys: pytest.CaptureFixture[str]) -> None:
-    """`diff` prints a unified diff from the captured graph whose added lines include a collective."""
-    assert main(["diff", "mlp", "-w", "2", "--rank", "1"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("--- captured\n+++ rank1\n")
-    added = [line for line in out.splitlines() if line.startswith("+") and not line.startswith("+++")]
-    assert any("tpcompile" in line for line in added)
-
-
-@pytest.mark.parametrize("spec", ["mlp", "gpt", "hf:gpt2"])
-def test_check_passes(capsys: pytest.CaptureFixture[str], spec: str) -> None:
-    """`check` simulates all ranks, prints a per-rank difference and exits 0 when they match."""
-    assert main(["check", spec, "-w", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "rank 0: max |diff|" in out and "rank 1: max |diff|" in out
-    assert out.strip().splitlines()[-1].startswith("OK")
-
-
-def test_plan_from_model_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """`plan file.py:NAME` shards a model defined in a user's file and names its weights."""
-    path = tmp_path / "ffn.py"
-    path.write_text(
-        "import torch\n"
-        "from torch import nn\n\n"
-        "class FFN(nn.Module):\n"
-        "    def __init__(self) -> None:\n"
-        "        super().__init__()\n"
-        "        self.up = nn.Linear(16, 64)\n"
-        "        self.down = nn.Linear(64, 16)\n\n"
-        "    def forward(self, x: torch.Tensor) -> torch.Tensor:\n"
-        "        return self.down(torch.relu(self.up(x)))\n\n"
-        "    def example_inputs(self) -> tuple:\n"
-        "        return (torch.randn(3, 16),)\n"
-    )
-    assert main(["plan", f"{path}:FFN", "-w", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "up.weight" in out and "down.weight" in out
-
-
-def test_check_fails_on_mismatch(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """`check` exits 1 and says FAIL when a rank's output is off by more than the tolerance."""
-    real = tpcompile.simulate
-
-    def perturbed(sharded: object, *args: object, **kwargs: object) -> list:
-        """Run the real simulator, then shift rank 1's output."""
-        outs = real(sharded, *args, **kwargs)
-        outs[1] = outs[1] + 1e-3
-        return outs
-
-    monkeypatch.setattr(cli.tpcompile, "simulate", perturbed)
-    assert main(["check", "mlp", "-w", "2"]) == 1
-    assert "FAIL" in capsys.readouterr().out
-
-
-def test_unknown_model_is_error_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    """A bad MODEL prints `error: ...` on stderr, no traceback, and exits 2."""
-    assert main(["plan", "no-such-model"]) == 2
-    err = capsys.readouterr().err
-    assert "error: cannot resolve model 'no-such-model'" in err
-    assert "Traceback" not in err
-
-
-def test_rank_out_of_range_is_error_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    """`--rank` beyond the world size is a user error with exit code 2."""
-    assert main(["dump", "mlp", "-w", "2", "--rank", "2"]) == 2
-    assert "error: --rank 2 is out of range" in capsys.readouterr().err
-
-
-def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    """A missing subcommand, a missing MODEL or a zero world size is a usage error with exit 2."""
-    assert main([]) == 2
-    assert main(["plan"]) == 2
-    assert main(["plan", "mlp", "-w", "0"]) == 2
-    assert "usage:" in capsys.readouterr().err
-
-
-def test_max_abs_diff_walks_structures() -> None:
-    """max_abs_diff compares every tensor in nested outputs and is infinite on a shape mismatch."""
-    a = {"x": torch.zeros(2), "y": (torch.ones(3),)}
-    b = {"x": torch.zeros(2), "y": (torch.ones(3) + 0.5,)}
-    assert max_abs_diff(a, b) == pytest.approx(0.5)
-    assert max_abs_diff(torch.zeros(2), torch.zeros(3)) == float("inf")
-
-
-def test_python_dash_m(tmp_path: Path) -> None:
-    """`python -m tpcompile plan mlp` runs as a program and exits 0."""
-    repo = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-m", "tpcompile", "plan", "mlp"], cwd=repo,
-                          capture_output=True, text=True, timeout=300)
+def test_plan(model_file: Path) -> None:
+    """plan: every parameter's split and per-rank bytes, per-block rows, collectives counted at the --inputs shape."""
+    proc = tpc("plan", "tiny.py:Tiny", "-w", "2", "--inputs", "3x7:long", "--config", "hidden=32",
+               cwd=model_file.parent)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip()
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.strip()}
+    # hidden=32 from --config: up is 32x16, each rank 16x16 float32 = 1 KiB
+    assert rows["up.weight"] == ["up.weight", "column@0", "32x16", "16x16", "1.0", "KiB"]
+    assert rows["down.weight"][1:4] == ["row@1", "16x32", "16x16"]
+    assert rows["emb.weight"][1:4] == ["vocab@0", "32x16", "16x16"]
+    assert rows["down.bias"][1] == "replicated"
+    # block rows: each top-level module is its own block, with the collectives its nodes issue
+    assert rows["down"][1:5] == ["down", "row", "1.1", "KiB"] and rows["down"][-2:] == ["1", "all_reduce"]
+    assert rows["emb"][1:3] == ["emb", "vocab"] and rows["emb"][-2:] == ["1", "all_reduce"]
+    # collectives come from the simulated forward at 3x7: two all-reduces of 3*7*16 float32 = 1344 B each
+    assert rows["all_reduce"][1:5] == ["2", "3x7x16", "2.6", "KiB"]
+    assert rows["all_gather_replicated"][1:3] == ["1", "3x7x16"]
+    assert "communication per forward per rank: 3 collectives" in proc.stdout
+    assert "(inputs 3x7 int64)" in proc.stdout
+    assert not any(line != line.rstrip() for line in proc.stdout.splitlines()), "no trailing blanks in a pipe"
+    # numerical twin: the plan the table shows computes the original model's output
+    model, args, sm = _sharded(model_file, hidden=32)
+    assert [tuple(sm.plan.parameters[n].local_shape) for n in ("up.weight", "down.weight")] == [(16, 16), (16, 16)]
+    with torch.no_grad():
+        torch.testing.assert_close(tpcompile.simulate(sm, *args)[1], model(*args), atol=1e-5, rtol=0)
+
+
+def test_dump(model_file: Path, tmp_path: Path) -> None:
+    """dump --out: original/ and rank<R>/ each with code.py, nodes.txt, graph.svg and graph.dot."""
+    out = tmp_path / "dump"
+    proc = tpc("dump", f"{model_file}:Tiny", "-w", "2", "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    files = {"code.py", "nodes.txt", "graph.svg", "graph.dot"}
+    for folder in ("original", "rank0", "rank1"):
+        assert {p.name for p in (out / folder).iterdir()} == files, folder
+    model, args, sm = _sharded(model_file)
+    assert (out / "rank1" / "code.py").read_text() == sm.rank(1).code.strip() + "\n"
+    assert (out / "original" / "code.py").read_text() == sm.captured.code.strip() + "\n"
+    nodes = (out / "rank0" / "nodes.txt").read_text().splitlines()
+    table = {line.split()[0]: line.split() for line in nodes[3:]}
+    assert table["all_reduce_default_1"][1:3] == ["call_function", "tpcompile.all_reduce.default"]
+    assert table["all_reduce_default_1"][-3:] == ["2x5x16", "float32", "down"]  # shape from the traced forward
+    assert table["up_weight"][-3:] == ["32x16", "float32", "up"]  # the rank's slice, not the whole weight
+    assert table["linear"][3] == "S(2)"  # the column split's output placement
+    svg = ET.parse(out / "rank0" / "graph.svg").getroot()
+    ns = "{http://www.w3.org/2000/svg}"
+    hexagons = [p for p in svg.iter(f"{ns}polygon")]
+    collectives = [n for n in sm.rank(0).graph.nodes if getattr(n.target, "namespace", None) == "tpcompile"]
+    assert len(hexagons) == len(collectives) == 5
+    assert len(list(svg.iter(f"{ns}rect"))) > len(list(sm.rank(0).graph.nodes)) - len(collectives)
+    dot = (out / "original" / "graph.dot").read_text()
+    assert dot.startswith("digraph") and '"emb_weight" -> "embedding"' in dot
+    with torch.no_grad():  # numerical twin: the dumped graphs compute the original output
+        for o in tpcompile.simulate(sm, *args):
+            torch.testing.assert_close(o, model(*args), atol=1e-5, rtol=0)
+
+
+def test_diff(model_file: Path) -> None:
+    """diff --rank 1: collectives added, parameters sliced (old -> new), nodes removed, then the code diff."""
+    proc = tpc("diff", "tiny.py:Tiny", "--rank", "1", cwd=model_file.parent)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert out.startswith("# Tiny (tiny.py:Tiny): captured graph -> rank 1 of 2\n")
+    section = lambda name: out.split(f"## {name}: ")[1].split("\n## ")[0]  # noqa: E731
+    assert section("collectives added").startswith("5\n")
+    assert "all_reduce(linear_default, 'default')" in section("collectives added")
+    sliced = section("parameters sliced (old shape -> new shape)").splitlines()
+    assert sliced[0] == "5"
+    assert "  down.weight  [16, 64] -> [16, 32]  row@1" in sliced
+    assert section("nodes removed").splitlines()[1:] == ["  embedding  aten.embedding.default  emb",
+                                                         "  linear_1   aten.linear.default     down"]
+    code = out.split("## code (unified diff, captured -> rank 1)\n")[1]
+    assert code.startswith("--- captured\n+++ rank1\n")
+    # rank 1 looks up the upper half of the vocabulary
+    assert "+    lt_scalar = torch.ops.aten.lt.Scalar(ids, 16)" in code
+    model, args, sm = _sharded(model_file)
+    with torch.no_grad():
+        torch.testing.assert_close(tpcompile.simulate(sm, *args)[1], model(*args), atol=1e-5, rtol=0)
+
+
+def test_verify(model_file: Path) -> None:
+    """verify at --inputs 4x9:long: the max error per output and OK, exit 0."""
+    proc = tpc("verify", "tiny.py:Tiny", "-w", "4", "--inputs", "4x9:long", cwd=model_file.parent)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0] == "verify Tiny (tiny.py:Tiny) at world size 4 on random inputs (4x9 int64, seed 1)"
+    assert lines[1].startswith("output (4x9x32): max |diff| ") and "rank 3 " in lines[1]
+    worst = float(lines[1].split("max |diff| ")[1].split()[0])
+    assert worst <= 1e-5
+    assert lines[-1].startswith("OK: max |diff| ")
 
 
 @pytest.mark.gloo
-def test_demo_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
-    """`demo` shards the bundled GPT, runs 2 real gloo processes and every rank matches the original."""
-    assert main(["demo", "--world-size", "2", "--repeats", "3"]) == 0
-    out = capsys.readouterr().out
+def test_demo(model_file: Path) -> None:
+    """demo MODEL: every rank runs as a real gloo process and matches the unsharded model."""
+    proc = tpc("demo", "tiny.py:Tiny", "-w", "2", "--repeats", "1", cwd=model_file.parent)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
     assert "launching 2 gloo processes..." in out
     assert "rank 0: forward" in out and "rank 1: forward" in out
-    assert "collectives: 0," not in out
+    assert "all_reduce (forward) x2" in out
     assert out.strip().splitlines()[-1].startswith("OK: all 2 ranks match")

@@ -1,17 +1,18 @@
-"""Golden graph diffs: what sharding changes in the captured graph, checked line by line.
+"""Golden graph diffs: what sharding changes in each bundled model's captured graph, checked line by line.
 
-Each case stores, under tests/golden/, the unified diff from the captured (unsharded) graph's
-code to one or more ranks' code. A change to the sharding passes that alters a rank's graph
-shows up here as a readable diff; if it is intended, regenerate the files with
+Each case stores, under tests/golden/, exactly what `tpcompile diff MODEL -w N --rank R` prints
+for one or more ranks: the collectives added, other nodes added, shape literals changed,
+parameters sliced, nodes removed, and the unified diff of the code. A change to the sharding
+passes that alters a rank's graph shows up here as a readable diff; if it is intended,
+regenerate the files with
 
     python -m pytest tests/test_golden.py --update-golden
 
-Each case also checks that the simulated ranks still compute the original model's output.
+Each case also checks that the simulated ranks compute the original model's output.
 """
 from __future__ import annotations
 
 import difflib
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch
 
 import tpcompile
 from tpcompile.models import build
+from tpcompile.report.graph_diff import diff_text, diff_title
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 UPDATE_HINT = "python -m pytest tests/test_golden.py --update-golden"
@@ -49,30 +51,16 @@ CASES = [
     # Rank 1 too: its vocab-parallel embedding uses a different token range than rank 0.
     Case("gpt", 2, ranks=(0, 1)),
     Case("gpt-manual", 2),
+    Case("gpt-sep", 2),
     Case("gpt-sep", 4),
     Case("gpt", 2, sequence_parallel=True),
 ]
 
-_ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
 
-
-def _code_lines(code: str) -> list[str]:
-    """fx code as lines without trailing blanks or whitespace; object addresses masked."""
-    lines = [_ADDRESS.sub("0x?", line.rstrip()) for line in code.splitlines()]
-    while lines and not lines[0]:
-        lines.pop(0)
-    while lines and not lines[-1]:
-        lines.pop()
-    return lines
-
-
-def graph_diff(sm: tpcompile.ShardedModel, case: Case) -> str:
-    """The golden text of a case: a header line, then captured -> rank r diffs for each rank."""
-    captured = _code_lines(sm.captured.code)
-    out = [f"# {case.model}, world_size={case.world_size}, sequence_parallel={case.sequence_parallel}"]
-    for r in case.ranks:
-        out += difflib.unified_diff(captured, _code_lines(sm.rank(r).code), "captured", f"rank{r}", lineterm="")
-    return "\n".join(out) + "\n"
+def golden_text(sm: tpcompile.ShardedModel, case: Case) -> str:
+    """The golden text of a case: `tpcompile diff` for each of its ranks."""
+    title = diff_title(sm.model_name, case.model, sequence_parallel=case.sequence_parallel)
+    return diff_text(sm, title, case.ranks)
 
 
 def _short_diff(expected: str, actual: str) -> str:
@@ -91,7 +79,7 @@ def test_golden_graph_diff(case: Case, update_golden: bool) -> None:
     inputs = model.example_inputs()
     sm = tpcompile.shard(model, case.world_size, example_inputs=inputs,
                          sequence_parallel=case.sequence_parallel)
-    actual = graph_diff(sm, case)
+    actual = golden_text(sm, case)
 
     if update_golden:
         GOLDEN_DIR.mkdir(exist_ok=True)
@@ -111,3 +99,23 @@ def test_golden_graph_diff(case: Case, update_golden: bool) -> None:
     assert len(outs) == case.world_size
     for r, out in enumerate(outs):
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=0, msg=lambda m, r=r: f"rank {r}: {m}")
+
+
+def test_golden_sections_are_counted() -> None:
+    """Each stored diff has the five sections with counts, and every collective it lists is in its code diff."""
+    for case in CASES:
+        text = case.path.read_text(encoding="utf-8")
+        for heading in ("collectives added", "other nodes added", "shape literals changed (old -> new)",
+                        "parameters sliced (old shape -> new shape)", "nodes removed"):
+            assert text.count(f"## {heading}: ") == len(case.ranks), (case.name, heading)
+        added = [line.split()[0] for line in text.split("## collectives added")[1].split("\n## ")[0].splitlines()[1:]
+                 if line.strip() and line.strip() != "(none)"]
+        assert added, f"{case.name}: a sharded model inserts collectives"
+        for name in added:
+            assert f"+    {name} = torch.ops.tpcompile." in text, (case.name, name)
+
+
+def test_short_diff_reports_changed_lines() -> None:
+    """A changed golden line shows as -old/+new in the failure report."""
+    report = _short_diff("a\nview 4\nc\n", "a\nview 2\nc\n")
+    assert "-view 4" in report and "+view 2" in report

@@ -192,3 +192,46 @@ def test_file_that_fails_to_run(tmp_path: Path) -> None:
     path.write_text("raise RuntimeError('boom')\n")
     with pytest.raises(TPCompileError, match="boom"):
         load_model(f"{path}:Model")
+
+
+def test_config_overrides_bundled_models() -> None:
+    """--config replaces fields of a bundled GPT's config (the variant's own switches kept) or MLP arguments."""
+    model, args, _ = load_model("gpt-manual", {"n_layer": 1, "n_embd": 32})
+    assert isinstance(model, GPT) and len(model.transformer.h) == 1
+    assert (model.config.n_embd, model.config.attention) == (32, "manual")
+    assert model(*args).shape == (2, 16, 256)
+    mlp, args, _ = load_model("mlp", {"dims": (8, 16, 8)})
+    assert mlp.dims == (8, 16, 8) and args[0].shape == (4, 8)
+
+
+def test_config_is_passed_to_classes_and_factories(user_file: Path) -> None:
+    """file.py:Class with config calls the class with those keyword arguments; an instance refuses them."""
+    model, _, _ = load_model(f"{user_file}:NeedsArgs", {"width": 3})
+    assert type(model).__name__ == "NeedsArgs"
+    with pytest.raises(TPCompileError, match="ready-made module instance"):
+        load_model(f"{user_file}:instance", {"width": 3})
+
+
+def test_hf_config_overrides() -> None:
+    """hf: overrides land in the config; the example ids stay inside an overridden vocabulary."""
+    model, _, kwargs = load_model("hf:llama", {"num_hidden_layers": 1, "vocab_size": 40})
+    assert model.config.num_hidden_layers == 1 and model.config.vocab_size == 40
+    assert int(kwargs["input_ids"].max()) < 40
+
+
+@pytest.mark.parametrize(("spec", "config", "fragment"), [
+    ("gpt", {"n_layers": 1}, "unknown --config key 'n_layers'"),
+    ("gpt", {"n_head": 5}, "not divisible by n_head 5"),
+    ("hf:gpt2", {"n_layr": 1}, "did you mean n_layer"),
+])
+def test_bad_config(spec: str, config: dict, fragment: str) -> None:
+    """Unknown keys and invalid values are TPCompileErrors naming the key or the model's complaint."""
+    with pytest.raises(TPCompileError, match=fragment):
+        load_model(spec, config)
+
+
+def test_hf_unknown_type_names_close_ones() -> None:
+    """A misspelt model type suggests the nearest real ones instead of listing them all."""
+    with pytest.raises(TPCompileError, match="did you mean llama") as info:
+        load_model("hf:lama")
+    assert len(str(info.value)) < 300

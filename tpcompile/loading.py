@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib
 import importlib.util
 import os
@@ -17,8 +19,8 @@ from tpcompile.errors import TPCompileError
 from tpcompile.models import MODEL_NAMES, build
 
 ACCEPTED_FORMS = (
-    "file.py:NAME, pkg.mod:NAME (NAME an nn.Module instance, an nn.Module subclass or a zero-argument "
-    f"factory), a bundled model ({', '.join(MODEL_NAMES)}) or hf:<model_type> (e.g. hf:gpt2, hf:llama)"
+    "file.py:NAME, pkg.mod:NAME (NAME an nn.Module instance, or an nn.Module subclass or factory, called with "
+    f"the --config arguments), a bundled model ({', '.join(MODEL_NAMES)}) or hf:<model_type> (e.g. hf:gpt2, hf:llama)"
 )
 
 # Small sizes for Hugging Face configs, under the generic names every config understands.
@@ -51,13 +53,14 @@ HF_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_t
 HF_BATCH, HF_SEQ = 2, 8
 
 
-def load_model(spec: str) -> tuple[nn.Module, tuple, dict]:
-    """Resolve `spec` to (module, example args, example kwargs)."""
+def load_model(spec: str, config: dict[str, Any] | None = None) -> tuple[nn.Module, tuple, dict]:
+    """Resolve `spec` to (module, example args, example kwargs); `config` overrides sizes and switches."""
     spec = spec.strip()
+    config = dict(config or {})
     if spec.startswith("hf:"):
-        return _load_hf(spec, spec[3:])
+        return _load_hf(spec, spec[3:], config)
     if spec in MODEL_NAMES:
-        model = build(spec)
+        model = _rebuilt(spec, build(spec), config) if config else build(spec)
         return (model, *example_inputs_of(model, spec))
     if ":" not in spec:
         raise TPCompileError(f"cannot resolve model {spec!r}; accepted forms: {ACCEPTED_FORMS}")
@@ -65,8 +68,39 @@ def load_model(spec: str) -> tuple[nn.Module, tuple, dict]:
     if not source or not name:
         raise TPCompileError(f"cannot resolve model {spec!r}; accepted forms: {ACCEPTED_FORMS}")
     module = _import_file(spec, Path(source)) if source.endswith(".py") else _import_module(spec, source)
-    model = _instantiate(spec, _getattr_path(spec, module, name))
+    model = _instantiate(spec, _getattr_path(spec, module, name), config)
     return (model, *example_inputs_of(model, spec))
+
+
+def _rebuilt(spec: str, model: nn.Module, config: dict[str, Any]) -> nn.Module:
+    """A bundled model built again with some of its config fields (GPT) or arguments (MLP) replaced."""
+    base = getattr(model, "config", None)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)  # the same seed build() uses, so only the overrides differ
+            if dataclasses.is_dataclass(base):
+                fields = {f.name for f in dataclasses.fields(base)}
+                _check_keys(spec, config, fields)
+                return type(model)(dataclasses.replace(base, **config)).eval()
+            return type(model)(**config).eval()
+    except TPCompileError:
+        raise
+    except TypeError as exc:
+        raise TPCompileError(f"{spec}: --config {_pairs(config)} does not fit {type(model).__name__}: {exc}") from exc
+    except ValueError as exc:
+        raise TPCompileError(f"{spec}: --config {_pairs(config)} gives an invalid model: {exc}") from exc
+
+
+def _check_keys(spec: str, config: dict[str, Any], known: set[str]) -> None:
+    """Every override names a known field, or a TPCompileError listing the fields."""
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise TPCompileError(f"{spec}: unknown --config key {unknown[0]!r}; known keys are {', '.join(sorted(known))}")
+
+
+def _pairs(config: dict[str, Any]) -> str:
+    """The overrides as the key=value words they were given as."""
+    return " ".join(f"{k}={v}" for k, v in config.items())
 
 
 def example_inputs_of(model: nn.Module, spec: str = "model") -> tuple[tuple, dict]:
@@ -142,40 +176,56 @@ def _getattr_path(spec: str, module: Any, name: str) -> Any:
     return obj
 
 
-def _instantiate(spec: str, obj: Any) -> nn.Module:
-    """Accept a module instance, a module class or a zero-argument factory."""
+def _instantiate(spec: str, obj: Any, config: dict[str, Any] | None = None) -> nn.Module:
+    """Accept a module instance, a module class or a factory (called with the --config overrides)."""
+    config = config or {}
     if isinstance(obj, nn.Module):
+        if config:
+            raise TPCompileError(f"cannot apply --config {_pairs(config)} to {spec!r}: it names a ready-made "
+                                 "module instance; name its class or a factory instead")
         return obj
     if not callable(obj):
         raise TPCompileError(f"cannot resolve model {spec!r}: it names a {type(obj).__name__}, "
                              "not an nn.Module instance, subclass or factory")
     kind = "class" if isinstance(obj, type) else "factory"
     try:
-        model = obj()
+        model = obj(**config)
     except Exception as exc:
+        given = f"with {_pairs(config)}" if config else "with no arguments"
         raise TPCompileError(f"cannot resolve model {spec!r}: calling {kind} {getattr(obj, '__name__', obj)} "
-                             f"with no arguments failed: {type(exc).__name__}: {exc}") from exc
+                             f"{given} failed: {type(exc).__name__}: {exc}") from exc
     if not isinstance(model, nn.Module):
         raise TPCompileError(f"cannot resolve model {spec!r}: the {kind} returned a "
                              f"{type(model).__name__}, not an nn.Module")
     return model
 
 
-def _hf_config(spec: str, model_type: str) -> Any:
-    """A small config for `model_type`, with every size alias the config knows set small."""
+def _hf_config(spec: str, model_type: str, overrides: dict[str, Any]) -> Any:
+    """A small config for `model_type`, with every size alias the config knows set small, then the overrides."""
     from transformers import AutoConfig
 
     try:
         default = AutoConfig.for_model(model_type)
     except Exception as exc:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+        # transformers' own message lists every model type there is: name the nearest few instead
+        close = difflib.get_close_matches(model_type, sorted(CONFIG_MAPPING_NAMES), n=4)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise TPCompileError(f"cannot resolve model {spec!r}: transformers has no model type "
-                             f"{model_type!r} ({type(exc).__name__}: {exc})") from exc
+                             f"{model_type!r}{hint}") from exc
     kwargs: dict[str, Any] = dict(HF_SIZES)
     kwargs.update({k: v for k, v in HF_ALIASES.items() if k in default.to_dict()})
+    unknown = [k for k in overrides if not hasattr(default, k)]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], sorted(default.to_dict()), n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise TPCompileError(f"{spec}: the {model_type} config has no key {unknown[0]!r} (from --config){hint}")
+    kwargs.update(overrides)
     for key in HF_TOKEN_IDS:
-        token = getattr(default, key, None)
-        if isinstance(token, int) and token >= HF_SIZES["vocab_size"]:
-            kwargs[key] = HF_SIZES["vocab_size"] - 1
+        token = overrides.get(key, getattr(default, key, None))
+        if key not in overrides and isinstance(token, int) and token >= kwargs["vocab_size"]:
+            kwargs[key] = kwargs["vocab_size"] - 1
     try:
         return AutoConfig.for_model(model_type, **kwargs)
     except Exception as exc:
@@ -190,7 +240,7 @@ def _is_encoder(config: Any) -> bool:
     return config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not config.is_encoder_decoder
 
 
-def _load_hf(spec: str, model_type: str) -> tuple[nn.Module, tuple, dict]:
+def _load_hf(spec: str, model_type: str, overrides: dict[str, Any]) -> tuple[nn.Module, tuple, dict]:
     """Build a small, randomly initialised transformers model offline from its config class."""
     if not model_type:
         raise TPCompileError(f"cannot resolve model {spec!r}: hf: needs a model type, e.g. hf:gpt2")
@@ -201,7 +251,7 @@ def _load_hf(spec: str, model_type: str) -> tuple[nn.Module, tuple, dict]:
                              "(pip install transformers)") from exc
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    config = _hf_config(spec, model_type)
+    config = _hf_config(spec, model_type, overrides)
     encoder = _is_encoder(config)
     causal = not encoder and config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
@@ -214,7 +264,7 @@ def _load_hf(spec: str, model_type: str) -> tuple[nn.Module, tuple, dict]:
                              f"failed: {type(exc).__name__}: {exc}") from exc
     model.eval()
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, HF_SIZES["vocab_size"], (HF_BATCH, HF_SEQ), generator=gen, dtype=torch.long)
+    ids = torch.randint(0, config.vocab_size, (HF_BATCH, HF_SEQ), generator=gen, dtype=torch.long)
     kwargs: dict[str, Any] = {"input_ids": ids}
     if not encoder:
         kwargs["use_cache"] = False

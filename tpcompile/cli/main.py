@@ -1,0 +1,67 @@
+"""The parser and the entry point: errors become one line on stderr, --debug shows the traceback."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from tpcompile.cli import demo, diff, dump, plan, verify
+from tpcompile.cli.common import one_line
+from tpcompile.errors import TPCompileError
+from tpcompile.loading import ACCEPTED_FORMS
+
+EXIT_ERROR = 2  # usage and user errors; 1 is a verification mismatch
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line: 'tpcompile plan: error: ... (see tpcompile plan --help)'."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with all subcommands."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    parser = _Parser(prog="tpcompile", parents=[common],
+                     description="Automatic tensor parallelism for PyTorch models: see what the compiler does "
+                                 "to every rank, and check it.", epilog=f"MODEL is one of: {ACCEPTED_FORMS}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    plan.add_parser(sub, common)
+    dump.add_parser(sub, common)
+    diff.add_parser(sub, common)
+    verify.add_parser(sub, common)
+    verify.add_parser(sub, common, name="check", alias_of="verify")
+    demo.add_parser(sub, common)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line and return the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        ns = build_parser().parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else EXIT_ERROR
+    if not ns.debug:
+        # torch logs its own warnings while export fails or guesses; the one-line error says what matters
+        logging.disable(logging.WARNING)
+    try:
+        return ns.func(ns)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # every failure is one line unless --debug asks for the traceback
+        if ns.debug:
+            raise
+        if isinstance(exc, (TPCompileError, OSError)):
+            print(f"error: {one_line(str(exc))}", file=sys.stderr)
+        else:
+            print(f"error: unexpected {type(exc).__name__}: {one_line(str(exc))} "
+                  f"(run again with --debug for the traceback, and please report it)", file=sys.stderr)
+        return EXIT_ERROR
+    finally:
+        logging.disable(logging.NOTSET)
