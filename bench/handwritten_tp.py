@@ -9,8 +9,9 @@ Each rank holds its own slices of the bundled GPT's weights:
 * ``lm_head``: column (vocab) split, sharing the embedding slice when the weights are tied,
   with the logits all-gathered along the vocabulary.
 
-Forward only, inference mode: dropout is skipped. The collectives run on torch.distributed's
-default group; every call is logged as (op, bytes of this rank's input) in ``comm_log``.
+Forward and backward (Megatron's conjugate collectives, bench/megatron_comm.py); dropout is
+skipped. The collectives run on torch.distributed's default group; every call is logged as
+(op, bytes of this rank's input) in ``comm``.
 """
 
 from __future__ import annotations
@@ -18,50 +19,14 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from tpcompile.models.gpt import GPT, Block, CausalSelfAttention
 
+from bench.megatron_comm import CommLog
+
 __all__ = ["TPGPT", "CommLog"]
-
-
-class CommLog:
-    """The collectives a hand-written rank issued: (op, bytes of this rank's input tensor)."""
-
-    def __init__(self) -> None:
-        """Start empty."""
-        self.calls: list[tuple[str, int]] = []
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum x in place over every rank and log the call."""
-        self.calls.append(("all_reduce", x.numel() * x.element_size()))
-        dist.all_reduce(x)
-        return x
-
-    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's x along the last dim and log the call."""
-        x = x.contiguous()
-        self.calls.append(("all_gather", x.numel() * x.element_size()))
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, x)
-        return torch.cat(parts, dim=-1)
-
-    def clear(self) -> None:
-        """Forget every logged call."""
-        self.calls.clear()
-
-    def counts(self) -> dict[str, int]:
-        """Number of logged calls per op."""
-        out: dict[str, int] = {}
-        for op, _ in self.calls:
-            out[op] = out.get(op, 0) + 1
-        return out
-
-    def nbytes(self) -> int:
-        """Total input bytes of the logged calls."""
-        return sum(n for _, n in self.calls)
 
 
 def _chunk(t: torch.Tensor, dim: int, rank: int, ws: int) -> torch.Tensor:
@@ -78,8 +43,8 @@ def _segments(t: torch.Tensor, parts: int, rank: int, ws: int) -> torch.Tensor:
 
 
 def _param(t: torch.Tensor | None) -> nn.Parameter | None:
-    """t as a frozen Parameter (None stays None)."""
-    return None if t is None else nn.Parameter(t.contiguous(), requires_grad=False)
+    """t as a trainable Parameter (None stays None)."""
+    return None if t is None else nn.Parameter(t.contiguous())
 
 
 class ColumnLinear(nn.Module):
@@ -123,16 +88,18 @@ class TPAttention(nn.Module):
         self.local_heads = src.n_head // ws
         self.head_dim = src.n_embd // src.n_head
         self.attention = src.attention
+        # The model's own matmuls, sliced: one fused q|k|v matmul, or three when the model has three.
         if src.fused_qkv:
             w = _segments(src.c_attn.weight, 3, rank, ws)
             b = None if src.c_attn.bias is None else _segments(src.c_attn.bias, 3, rank, ws)
+            self.qkv = nn.ModuleList([ColumnLinear(w, b)])
         else:
-            projs = (src.q_proj, src.k_proj, src.v_proj)
-            w = torch.cat([_chunk(p.weight, 0, rank, ws) for p in projs], dim=0)
-            b = None if projs[0].bias is None else torch.cat([_chunk(p.bias, 0, rank, ws) for p in projs])
-        self.qkv = ColumnLinear(w, b)
+            self.qkv = nn.ModuleList([
+                ColumnLinear(_chunk(p.weight, 0, rank, ws), None if p.bias is None else _chunk(p.bias, 0, rank, ws))
+                for p in (src.q_proj, src.k_proj, src.v_proj)])
         proj_b = None if src.c_proj.bias is None else src.c_proj.bias.detach().clone()
         self.c_proj = RowLinear(_chunk(src.c_proj.weight, 1, rank, ws), proj_b, comm)
+        self.comm = comm
         if src.attention == "manual":
             self.register_buffer("causal_mask", src.causal_mask.clone())
 
@@ -140,7 +107,11 @@ class TPAttention(nn.Module):
         """(B, T, C) replicated -> (B, T, C) replicated, one all_reduce."""
         B, T, _ = x.shape
         width = self.local_heads * self.head_dim
-        q, k, v = self.qkv(x).split(width, dim=2)
+        x = self.comm.copy(x)
+        if len(self.qkv) == 1:
+            q, k, v = self.qkv[0](x).split(width, dim=2)
+        else:
+            q, k, v = (proj(x) for proj in self.qkv)
         q = q.view(B, T, self.local_heads, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.local_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.local_heads, self.head_dim).transpose(1, 2)
@@ -164,10 +135,11 @@ class TPMLP(nn.Module):
         self.c_fc = ColumnLinear(_chunk(src.c_fc.weight, 0, rank, ws), fc_b)
         proj_b = None if src.c_proj.bias is None else src.c_proj.bias.detach().clone()
         self.c_proj = RowLinear(_chunk(src.c_proj.weight, 1, rank, ws), proj_b, comm)
+        self.comm = comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, C) replicated -> (B, T, C) replicated."""
-        return self.c_proj(F.gelu(self.c_fc(x)))
+        return self.c_proj(F.gelu(self.c_fc(self.comm.copy(x))))
 
 
 class TPBlock(nn.Module):
@@ -188,10 +160,9 @@ class TPBlock(nn.Module):
 
 
 def _copy_norm(src: nn.LayerNorm) -> nn.LayerNorm:
-    """A frozen copy of a layer norm (replicated on every rank)."""
+    """A copy of a layer norm (replicated on every rank)."""
     ln = nn.LayerNorm(src.normalized_shape, eps=src.eps, bias=src.bias is not None)
     ln.load_state_dict(src.state_dict())
-    ln.requires_grad_(False)
     return ln
 
 
@@ -226,7 +197,6 @@ class TPGPT(nn.Module):
         emb = emb.masked_fill(outside.unsqueeze(-1), 0.0)
         return self.comm.all_reduce(emb)
 
-    @torch.no_grad()
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> full logits (B, T, vocab_size) on every rank."""
         T = idx.shape[1]
@@ -237,7 +207,7 @@ class TPGPT(nn.Module):
         for block in self.h:
             x = block(x)
         x = self.ln_f(x)
-        return self.comm.all_gather_last(F.linear(x, self.lm_head))
+        return self.comm.all_gather_last(F.linear(self.comm.copy(x), self.lm_head))
 
     def parameter_bytes(self) -> int:
         """Bytes of the distinct parameter tensors this rank holds."""

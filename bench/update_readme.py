@@ -1,6 +1,7 @@
-"""Copy docs/benchmarks.md and docs/architectures.md into README.md between their markers.
+"""Copy bench/results/latest.md and docs/architectures.md into README.md between their markers.
 
-Headings move two levels down (# becomes ###) so the copies sit under README sections.
+Headings move two levels down (# becomes ###) so the copies sit under README sections; image
+links of the benchmark report are made relative to the repository root.
 
 Run from anywhere:  python bench/update_readme.py
 """
@@ -13,13 +14,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-SECTIONS = (("bench", ROOT / "docs" / "benchmarks.md"), ("archs", ROOT / "docs" / "architectures.md"))
+RESULTS = ROOT / "bench" / "results"
+SECTIONS = (("bench", RESULTS / "latest.md"), ("archs", ROOT / "docs" / "architectures.md"))
 
 
 def nest(text: str, levels: int = 2) -> str:
     """text with every markdown heading `levels` deeper, to sit inside a README section."""
     return re.sub(r"^(#{1,6}) ", lambda m: "#" * min(6, len(m.group(1)) + levels) + " ", text,
                   flags=re.MULTILINE)
+
+
+def rebase_images(text: str, source: Path) -> str:
+    """text with relative image links rewritten from source's folder to the repository root."""
+    prefix = source.parent.relative_to(ROOT).as_posix()
+    if prefix == ".":
+        return text
+    return re.sub(r"!\[([^\]]*)\]\((?![a-z]+://|/)([^)]+)\)", lambda m: f"![{m.group(1)}]({prefix}/{m.group(2)})", text)
 
 
 def replace_between(readme: str, key: str, body: str) -> str:
@@ -44,7 +54,7 @@ def main() -> int:
                   file=sys.stderr)
             return 1
         try:
-            text = replace_between(text, key, nest(source.read_text()))
+            text = replace_between(text, key, nest(rebase_images(source.read_text(), source)))
         except KeyError as e:
             print(f"{e.args[0]}; add them where the {source.name} contents belong", file=sys.stderr)
             return 1

@@ -1,6 +1,7 @@
-"""The hand-written tensor-parallel GPT used by bench/compare.py equals the unsharded model."""
+"""The benchmark command runs end to end in a tiny configuration; its hand-written baselines are exact."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -10,12 +11,16 @@ import torch
 from tpcompile.models import GPT, GPTConfig
 from tpcompile.runtime import launch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from handwritten_tp import TPGPT  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from bench.handwritten_tp import TPGPT  # noqa: E402
+from bench.run import main as bench_main, summarize_workload  # noqa: E402
 
 pytestmark = pytest.mark.gloo
 
 TINY = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
+CONTENDERS = ("single", "hand-written", "dtensor", "tp_transform", "tpcompile")
 
 
 def _tiny(**kw: object) -> GPT:
@@ -34,10 +39,13 @@ def _hand_rank(rank: int, cases: dict, idx: torch.Tensor) -> dict:
         model = GPT(GPTConfig(**cfg)).eval()
         model.load_state_dict(state)
         tp = TPGPT(model, rank, 2)
-        out[name] = (tp(idx), tp.comm.counts(), tp.parameter_bytes())
+        with torch.no_grad():
+            logits = tp(idx)
+        out[name] = (logits, tp.comm.counts(), tp.parameter_bytes())
     return out
 
 
+@pytest.mark.slow
 def test_handwritten_tp_equals_unsharded() -> None:
     """At world size 2 on gloo, both ranks' logits equal the unsharded model's within 1e-5."""
     idx = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
@@ -53,3 +61,74 @@ def test_handwritten_tp_equals_unsharded() -> None:
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=0, msg=lambda m: f"{name} rank {rank}: {m}")
             assert counts == {"all_reduce": 1 + 2 * TINY["n_layer"], "all_gather": 1}
             assert nbytes < full
+
+
+def _check_rows(rows: dict, reps: int) -> None:
+    """Every contender but _tp_transform ran, exactly; tpcompile moves the hand-written bytes."""
+    assert tuple(rows) == CONTENDERS
+    for name in ("single", "hand-written", "dtensor", "tpcompile"):
+        fwd, train = rows[name]["forward"], rows[name]["train"]
+        assert fwd["status"] == "ok" and train["status"] == "ok", (name, fwd, train)
+        assert fwd["max_abs_diff"] <= 1e-4 and train["loss_rel_diff"] <= 1e-4 and train["step_rel_diff"] <= 1e-2
+        assert 0 < fwd["min_ms"] <= fwd["median_ms"] and 0 < train["median_ms"]
+        assert len(fwd["times_ms"]) == reps and fwd["ranks_agree"] and train["ranks_agree"]
+        assert rows[name]["param_bytes"] > 0
+    assert rows["single"]["forward"]["counts"] == {} and rows["single"]["forward"]["bytes"] == 0
+    for phase in ("forward", "train"):
+        assert rows["tpcompile"][phase]["counts"] == rows["hand-written"][phase]["counts"]
+        assert rows["tpcompile"][phase]["bytes"] == rows["hand-written"][phase]["bytes"] > 0
+    # The dispatch-mode count agrees with tpcompile's own record of its collectives.
+    record = rows["tpcompile"]["forward"]["tpcompile_record"]
+    assert record["bytes"] == rows["tpcompile"]["forward"]["bytes"]
+    assert sum(record["counts"].values()) == sum(rows["tpcompile"]["forward"]["counts"].values())
+    assert rows["tpcompile"]["param_bytes"] == rows["hand-written"]["param_bytes"] < rows["single"]["param_bytes"]
+    ratio = rows["tpcompile"]["forward"]["ratio"]
+    assert ratio["tpcompile"] == 1.0 and ratio["hand-written"] > 0
+
+
+def test_bench_command_tiny(tmp_path: Path) -> None:
+    """`python -m bench --tiny` writes JSON, markdown and both PNGs holding real, consistent measurements."""
+    assert bench_main(["--tiny", "--out-dir", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "latest.json").read_text())
+    mlp = res["workloads"]["mlp"]["contenders"]
+    _check_rows(mlp, res["reps"])
+    # Two column/row pairs: one all-reduce each forward; backward adds one per pair but the first.
+    assert mlp["hand-written"]["forward"]["counts"] == {"all_reduce": 2}
+    assert mlp["hand-written"]["train"]["counts"] == {"all_reduce": 3}
+    # Identical bytes (forward and step); the passes take less time than torch.export.
+    assert [t["ok"] for t in res["targets"]][2:] == [True, True, True]
+    ct = res["compile_time"]["rows"]
+    assert [r["layers"] for r in ct] == [1, 2] and all(r["capture_s"] > 0 and r["passes_s"] > 0 for r in ct)
+    assert ct[1]["nodes"] > ct[0]["nodes"] and ct[1]["collectives"] > ct[0]["collectives"]
+    text = (tmp_path / "latest.md").read_text()
+    tp_row = next(line for line in text.splitlines() if line.startswith("| tpcompile |"))
+    assert f"| {mlp['tpcompile']['forward']['median_ms']:.1f} |" in tp_row
+    assert "](latency.png)" in text and "](compile_time.png)" in text
+    for png in ("latency.png", "compile_time.png"):
+        data = (tmp_path / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+@pytest.mark.slow
+def test_bench_command_tiny_gpt(tmp_path: Path) -> None:
+    """The GPT rows of the tiny run: every contender but _tp_transform exact, tpcompile's bytes Megatron's."""
+    assert bench_main(["--tiny", "--models", "gpt", "--out-dir", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "latest.json").read_text())
+    gpt = res["workloads"]["gpt"]["contenders"]
+    _check_rows(gpt, res["reps"])
+    # Per layer two all-reduces forward, plus the vocabulary embedding's; the logits all-gathered.
+    assert gpt["hand-written"]["forward"]["counts"] == {"all_reduce": 5, "all_gather": 1}
+    assert res["targets"] == []
+
+
+def test_wrong_gradients_are_flagged() -> None:
+    """A training step whose loss drop differs from the original's by over 1% is marked, not timed as ok."""
+    def rank(losses: list[float]) -> dict:
+        phase = {"counts": {}, "bytes": 0, "times": [0.01, 0.02, 0.03]}
+        return {"x": {"param_bytes": 1, "setup_s": 0.0,
+                      "forward": {**phase, "diff": 0.0},
+                      "train": {**phase, "losses": losses, "ref_losses": [1.0, 0.9], "loss_diff": 0.0}}}
+    ok = summarize_workload([rank([1.0, 0.9005])])["x"]["train"]
+    wrong = summarize_workload([rank([1.0, 0.95])])["x"]["train"]
+    assert ok["status"] == "ok" and ok["step_rel_diff"] < 1e-2
+    assert wrong["status"] == "wrong gradients" and abs(wrong["step_rel_diff"] - 0.5) < 1e-9

@@ -1,0 +1,1 @@
+"""Benchmarks of tpcompile against other ways to run tensor parallelism (`python -m bench`)."""
