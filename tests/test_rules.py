@@ -184,3 +184,91 @@ def test_stacked_qkv_is_sliced_per_segment() -> None:
     sm = _check(StackedQKV(), torch.randn(2, 8, 64))
     assert sm.plan.parameters["qkv.weight"].segments == (64, 64, 64)
     assert sm.plan.modules == {"qkv": "column", "o": "row"}
+
+
+# --- the op table's schema: rule files are validated row by row, errors name the key and line ---
+
+from pathlib import Path  # noqa: E402
+
+from tpcompile.sharding_rules.rules import RULES  # noqa: E402
+from tpcompile.sharding_rules.schema import LISTS, RULE_ARGS  # noqa: E402
+from tpcompile.sharding_rules.table import load_table  # noqa: E402
+
+
+def test_schema_knows_exactly_the_registered_rules() -> None:
+    """Every rule function has a schema entry and every schema entry a rule function."""
+    assert set(RULE_ARGS) | set(LISTS) == set(RULES)
+
+
+def test_bundled_table_passes_its_schema() -> None:
+    """ops.yaml loads: linear is a weight matmul with its argument positions, add is pointwise."""
+    table = load_table()
+    assert table["aten.linear.default"].rule == "weight_matmul"
+    assert table["aten.linear.default"].args == {"input": 0, "weight": 1, "bias": 2, "weight_layout": "out_in"}
+    assert table["aten.add.Tensor"].rule == "pointwise"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("aten.linear.default: {rule: weight_matmull}\n", r"line 1: aten\.linear\.default: unknown rule 'weight_matmull'; use one of"),
+    ("aten.add.Tensor: {rule: pointwise}\naten.view.default: {rule: reshape, shape_ar: 1}\n",
+     r"line 2: aten\.view\.default: unknown field 'shape_ar' for rule reshape; its fields: shape_arg, sizes_arg, dim_arg"),
+    ("aten.view.default: {rule: reshape, shape_arg: one}\n", r"line 1: aten\.view\.default: shape_arg: 'one' is not an argument position"),
+    ("aten.view.default: {rule: reshape, shape_arg: -1}\n", r"shape_arg: '-1' is not an argument position"),
+    ("aten.mm.default: {rule: weight_matmul, weight_layout: rows}\n", r"weight_layout: 'rows'; use one of out_in, in_out"),
+    ("aten.mm.default: {input: 0}\n", r"line 1: aten\.mm\.default has no 'rule' field"),
+    ("pointwise:\n  - aten.add.Tensor\n  - add\n", r"line 3: 'add' is not an op name of the form namespace\.op\.overload"),
+    ("pointwise:\n  - aten.add.Tensor\naten.add.Tensor: {rule: matmul}\n", r"line 3: aten\.add\.Tensor already has a row at line 2"),
+    ("pointwise: aten.add.Tensor\n", r"line 1: pointwise must be a list of op names"),
+    ("aten.mm.default: matmul\n", r"line 1: aten\.mm\.default: the row must be a mapping"),
+    ("aten.mm.default: {rule: matmul\n", r"YAML syntax error at line 2, column 1"),
+    ("- aten.mm.default\n", r"the top level must be a mapping"),
+])
+def test_rule_file_errors_name_key_and_line(tmp_path: Path, text: str, message: str) -> None:
+    """A malformed rule file is rejected before use, naming the file, line and offending key."""
+    path = tmp_path / "ops.yaml"
+    path.write_text(text)
+    with pytest.raises(tpcompile.TPCompileError, match=rf"rule file {path}.*{message}"):
+        load_table(str(path))
+
+
+# --- regressions found by the fuzzer (tests/test_fuzz.py) ---
+
+class FewHeads(nn.Module):
+    """Attention with 2 query heads of 4 and an output projection: fewer query heads than 4 ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(8, 8, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = (p(x).view(B, T, 2, 4).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = ((q @ k.transpose(-2, -1)) * 0.5).softmax(dim=-1) @ v  # written out: matmuls take shared pieces
+        return self.o(y.transpose(1, 2).reshape(B, T, 8))
+
+
+def test_row_split_of_heads_shared_by_ranks_replicates() -> None:
+    """2 query heads at 4 ranks: no row split of pieces two ranks share (it summed each head twice
+    and crashed on shapes); the attention is replicated with a warning and stays exact."""
+    with pytest.warns(tpcompile.TPCompileWarning, match=r"at o: input holds 2 pieces shared among 4 ranks; a row split "
+                                                         r"would count each piece 2 times; replicating k, q, v"):
+        sm = _check(FewHeads(), torch.randn(2, 5, 8), ws=4)
+    assert sm.plan.modules["q"] == sm.plan.modules["k"] == sm.plan.modules["v"] == "replicated"
+
+
+class FewHeadsNoProjection(FewHeads):
+    """The same attention returning the heads merged, with no output projection after them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = (p(x).view(B, T, 2, 4).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = ((q @ k.transpose(-2, -1)) * 0.5).softmax(dim=-1) @ v
+        return y.transpose(1, 2).reshape(B, T, 8)
+
+
+def test_output_of_heads_shared_by_ranks_is_not_gathered() -> None:
+    """2 heads at 4 ranks reaching the output: gathering the pieces gave (B, T, 16), each head
+    twice; now the heads are replicated with a warning and the output is exact."""
+    with pytest.warns(tpcompile.TPCompileWarning, match=r"output reshape is 2 pieces shared among 4 ranks; a gather "
+                                                         r"would repeat them; replicating k, q, v"):
+        _check(FewHeadsNoProjection(), torch.randn(2, 5, 8), ws=4)

@@ -4,7 +4,9 @@ from __future__ import annotations
 import difflib
 import logging
 import math
+import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
@@ -12,14 +14,15 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from tpcompile.capture import capture
+from tpcompile.capture import Captured, capture
 from tpcompile.collectives import register_group
 from tpcompile.errors import TPCompileError
 from tpcompile.passes.annotate import annotate_pass
 from tpcompile.passes.context import PLAN_VALUES, PassContext, module_path, owner_path
 from tpcompile.passes.propagate import propagate_pass, seed_path
-from tpcompile.passes.rewrite import local_tensor, rewrite_pass
+from tpcompile.passes.rewrite import local_tensor, rewrite_graph, rewrite_pass
 from tpcompile.passes.verify import collective_signature, verify_pass, verify_rank
+from tpcompile.plan_file import PlanFile, load_plan
 from tpcompile.sharding_rules.context import ParamSlice
 
 log = logging.getLogger("tpcompile")
@@ -71,18 +74,23 @@ class ShardedModel:
         self._reference: Optional[list] = None
         self._lock = threading.Lock()
         self.plan = _make_plan(captured, ctx)
+        self.timings: dict[str, float] = {}  # seconds: capture_s (torch.export), passes_s
 
     def rank(self, r: int) -> GraphModule:
         """Rank r's GraphModule: the model's arguments in, the model's output structure out."""
-        if not isinstance(r, int) or not 0 <= r < self.world_size:
-            raise TPCompileError(f"rank {r!r} is out of range for world size {self.world_size}")
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.world_size:
+            kind = "" if isinstance(r, int) and not isinstance(r, bool) else f" ({type(r).__name__}, not an int)"
+            raise TPCompileError(f"rank {r!r}{kind} is out of range for world size {self.world_size}; "
+                                 f"ranks are the ints 0 to {self.world_size - 1}")
         with self._lock:  # ranks may be asked for from several threads at once
             if r not in self._ranks:
                 log.info("building rank %d of %d", r, self.world_size)
                 gm = rewrite_pass(self.captured, self._ctx, r)  # rewrite: this rank's graph
-                if self._reference is None:
-                    self._reference = collective_signature(gm)
-                verify_rank(gm, self._reference, r)  # verify: same collectives as every rank
+                if self._reference is None:  # rank 0's schedule, even in a process that builds only rank r
+                    self._reference = collective_signature(
+                        gm if r == 0 else rewrite_graph(self.captured, self._ctx, 0))
+                shapes = {name: pp.local_shape for name, pp in self.plan.parameters.items()}
+                verify_rank(gm, self._reference, r, shapes)  # verify: lint, planned slices, rank 0's collectives
                 self._ranks[r] = gm
             return self._ranks[r]
 
@@ -166,18 +174,23 @@ def _make_plan(gm: GraphModule, ctx: PassContext) -> Plan:
     return plan
 
 
-def _check_plan(plan: Optional[dict], paths: set[str]) -> dict[str, str]:
+def _check_plan(plan: Any, paths: set[str]) -> dict[str, str]:
+    """The plan as a dict, read from a YAML file when given a path; every key a module of the model."""
     if plan is None:
         return {}
+    if isinstance(plan, (str, os.PathLike)):
+        plan = load_plan(plan)
     if not isinstance(plan, dict):
-        raise TPCompileError(f"plan must be a dict of module path -> one of {PLAN_VALUES}, got {type(plan).__name__}")
+        raise TPCompileError(f"plan must be a dict of module path -> one of {', '.join(PLAN_VALUES)}, or the path "
+                             f"of a YAML plan file; got {type(plan).__name__}")
+    where = (lambda k: f" ({plan.where(k)})") if isinstance(plan, PlanFile) else (lambda k: "")  # noqa: E731
     for key, value in plan.items():
         if key not in paths:
             close = difflib.get_close_matches(str(key), sorted(paths), n=3)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise TPCompileError(f"plan names module {key!r}, which the model does not have{hint}")
-        if value not in PLAN_VALUES:
-            raise TPCompileError(f"plan[{key!r}] = {value!r}; use one of {', '.join(PLAN_VALUES)}")
+            hint = f"; did you mean {', '.join(close)}?" if close else "; see model.named_modules() for the names"
+            raise TPCompileError(f"plan names module {key!r}{where(key)}, which the model does not have{hint}")
+        if not isinstance(value, str) or value not in PLAN_VALUES:
+            raise TPCompileError(f"plan[{key!r}] = {value!r}{where(key)}; use one of {', '.join(PLAN_VALUES)}")
     return dict(plan)
 
 
@@ -195,20 +208,40 @@ def _group_key(group: Any, world_size: int) -> str:
 
 
 def shard(model: nn.Module, world_size: int, *, example_inputs: Any = (), example_kwargs: Optional[dict] = None,
-          dynamic_shapes: Any = None, plan: Optional[dict] = None, group: Any = "default",
+          dynamic_shapes: Any = None, plan: Any = None, group: Any = "default",
           sequence_parallel: bool = False) -> ShardedModel:
     """Split `model` over `world_size` ranks; returns one GraphModule per rank and the plan.
+
+    `plan` is a dict of module path -> 'replicate' | 'sharded_output' | 'auto', or the path of a
+    YAML file holding one (tpcompile.plan_file).
 
     `group` is the torch.distributed ProcessGroup the ranks' collectives use (default: the
     default group), or the key of one given to `tpcompile.collectives.register_group`.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise TPCompileError(f"world_size must be an int >= 1, got {world_size!r}")
-    group = _group_key(group, world_size)
+    _check_world_size(world_size)
+    start = time.perf_counter()
     cap = capture(model, example_inputs, example_kwargs, dynamic_shapes)  # capture: torch.export
+    captured = time.perf_counter()
+    sm = shard_captured(cap, world_size, plan=plan, group=group, sequence_parallel=sequence_parallel)
+    sm.timings.update(capture_s=captured - start, passes_s=time.perf_counter() - captured)
+    return sm
+
+
+def shard_captured(cap: Captured, world_size: int, *, plan: Any = None, group: Any = "default",
+                   sequence_parallel: bool = False) -> ShardedModel:
+    """The passes after capture, on a captured graph that no other ShardedModel uses."""
+    _check_world_size(world_size)
+    group = _group_key(group, world_size)
     ctx = PassContext(world_size, group=group, plan=_check_plan(plan, cap.module_paths),
                       sequence_parallel=bool(sequence_parallel))
     gm = annotate_pass(cap.gm, ctx)  # annotate: rule per op, fused-projection segments
     gm = propagate_pass(gm, ctx)  # propagate: placements, column/row/vocab roles
     gm = verify_pass(gm, ctx)  # verify: parameter slices tile each parameter
     return ShardedModel(gm, ctx, cap.model_name)
+
+
+def _check_world_size(world_size: Any) -> None:
+    """world_size is a positive int (not a bool, float or string)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise TPCompileError(f"world_size must be an int >= 1, got {world_size!r} ({type(world_size).__name__}); "
+                             f"pass the number of ranks, e.g. world_size=2")

@@ -75,7 +75,11 @@ def capture(model: nn.Module, example_inputs: tuple = (), example_kwargs: Option
             dynamic_shapes: Any = None) -> Captured:
     """Export the model to an aten-level fx graph whose inputs accept any batch and length."""
     if not isinstance(model, nn.Module):
-        raise TPCompileError(f"tpcompile.shard expects a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(model, type) and issubclass(model, nn.Module):
+            raise TPCompileError(f"tpcompile.shard got the class {model.__name__}, not a model; pass an instance, "
+                                 f"e.g. tpcompile.shard({model.__name__}(...), world_size)")
+        raise TPCompileError(f"tpcompile.shard expects a torch.nn.Module, got {type(model).__name__}; wrap the "
+                             f"computation in an nn.Module whose forward takes tensors")
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
     if not args and not kwargs:
@@ -84,7 +88,8 @@ def capture(model: nn.Module, example_inputs: tuple = (), example_kwargs: Option
     try:
         shapes = auto_dynamic_shapes(model, args, kwargs) if dynamic_shapes is None else dynamic_shapes
     except TypeError as e:
-        raise TPCompileError(f"example inputs do not match {name}.forward{inspect.signature(model.forward)}: {e}") from e
+        raise TPCompileError(f"example inputs do not match {name}.forward{inspect.signature(model.forward)}: {e}; "
+                             f"pass example_inputs=(...) and example_kwargs={{...}} that forward accepts") from e
     log.info("capturing %s with torch.export", name)
     try:
         ep = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)

@@ -69,7 +69,8 @@ class _World:
                 if left <= 0:
                     missing = [r for r, s in enumerate(call.slots) if s is None]
                     msg = (f"tpcompile.{op} on rank {rank} (collective #{k}) waited more than "
-                           f"{self.timeout:g} s for ranks {missing}")
+                           f"{self.timeout:g} s for ranks {missing}; they are stuck or slower than that: "
+                           f"pass a larger timeout= to simulate_ranks, or make every rank issue the same collectives")
                     self.failure = (rank, msg)
                     self.cond.notify_all()
                     raise TPCompileError(msg)
@@ -108,7 +109,8 @@ def _check_same(entries: list, rank: int, k: int) -> None:
     first = entries[0][:2]
     if any(e[:2] != first for e in entries):
         seen = "; ".join(f"rank {r}: {e[0]}{e[1]}" for r, e in enumerate(entries))
-        raise TPCompileError(f"collective #{k} differs across ranks (seen on rank {rank}): {seen}")
+        raise TPCompileError(f"collective #{k} differs across ranks (seen on rank {rank}): {seen}; every rank must "
+                             f"run the same graph on inputs of the same shapes")
 
 
 class SimulatedRank:
@@ -155,7 +157,8 @@ def simulate_ranks(world_size: int, fn: Callable[[int], Any], *,
                    timeout: float = 120.0) -> list:
     """Run fn(rank) on world_size threads at once and return the results in rank order."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise TPCompileError(f"world_size must be an int >= 1, got {world_size!r}")
+        raise TPCompileError(f"world_size must be an int >= 1, got {world_size!r} ({type(world_size).__name__}); "
+                             f"pass the number of simulated ranks, e.g. simulate_ranks(2, fn)")
     import tpcompile.collectives  # noqa: F401  registers torch.ops.tpcompile for fn's graphs
 
     world = _World(world_size, float(timeout))

@@ -226,6 +226,9 @@ def _output(node: Node, placement: Any, src: frozenset, ctx: PassContext) -> lis
         p = placement(n)
         if isinstance(p, Shard) and (p.segments is not None and len(p.segments) > 1 or p.outer is not None):
             return [(src, f"output {n.name} is split in segments {p.segments}; cannot gather it in order")]
+        if isinstance(p, Shard) and p.groups is not None:
+            return [(src, f"output {n.name} is {p.groups} pieces shared among {ctx.world_size} ranks; "
+                          f"a gather would repeat them")]
     return []
 
 

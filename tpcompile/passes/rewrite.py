@@ -1,7 +1,7 @@
 """Rewrite pass: one rank's graph, with local shape literals, sliced weights and collectives."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import operator
 
@@ -13,6 +13,7 @@ import tpcompile.collectives  # noqa: F401  (registers torch.ops.tpcompile.*)
 import tpcompile.piece_grads  # noqa: F401  (registers torch.ops.tpcompile.grad_piece_all_reduce)
 from tpcompile.passes.context import PassContext, internal_error
 from tpcompile.passes.rewrite_dropout import emit_dropout, emit_sdpa_with_dropout, is_live_dropout, sdpa_dropout
+from tpcompile.passes.verify import local_shape, shape_key
 from tpcompile.placement import Replicate, Shard, is_seq, segment_ranges
 from tpcompile.sharding_rules.context import Want
 
@@ -30,11 +31,30 @@ class _Emitter:
         self.env: dict[Node, Node] = {}
         self.cache: dict[tuple, Node] = {}
         self.current: Node = None  # the source node being rewritten, for meta
+        self.sources: dict[Node, Node] = {}  # new node -> the source node whose value it holds
 
     def call(self, target: Any, *args: Any, **kwargs: Any) -> Node:
         node = self.graph.call_function(target, args, kwargs)
         node.meta = {k: v for k, v in self.current.meta.items() if k in ("nn_module_stack", "stack_trace")}
+        if getattr(target, "namespace", None) == "tpcompile":
+            node.meta["tp_shape"] = self.input_shape(args[0])  # compared across ranks by verify_rank
         return node
+
+    def input_shape(self, x: Node) -> Optional[tuple[str, ...]]:
+        """This rank's shape of a collective's input, as expressions (None when unknown)."""
+        src = self.sources.get(x)
+        if src is not None and src.op == "get_attr":
+            t = self.ctx.tensors.get(src.target)
+            if t is None:
+                return None
+            local = local_tensor(torch.empty(t.shape, device="meta"), self.ctx.slice_for(src.target), self.rank, self.ws)
+            return shape_key(local.shape)
+        # not a source's value: the partial sum of the op being rewritten (row split, vocabulary), full size
+        p = src.meta.get("tp_placement") if src is not None else None
+        val = (src if src is not None else self.current).meta.get("val")
+        if not isinstance(val, torch.Tensor) or isinstance(p, tuple):
+            return None
+        return shape_key(local_shape(val.shape, p, self.rank, self.ws))
 
     def converted(self, w: Want) -> Node:
         """The new-graph value of an input, redistributed to what the consuming op wants."""
@@ -59,13 +79,20 @@ class _Emitter:
 
 def rewrite_pass(gm: GraphModule, ctx: PassContext, rank: int) -> GraphModule:
     """Return rank `rank`'s GraphModule: same inputs and outputs as the model, local weights."""
+    return _module(gm, ctx, rank, rewrite_graph(gm, ctx, rank))
+
+
+def rewrite_graph(gm: GraphModule, ctx: PassContext, rank: int) -> fx.Graph:
+    """Rank `rank`'s graph alone, without slicing any weights (what the verifier compares)."""
     em = _Emitter(gm, ctx, rank)
     for node in gm.graph.nodes:
         try:
             _rewrite_node(em, node)
         except Exception as e:  # name the node and pass, keep the cause
             raise internal_error("rewrite", node, e) from e
-    return _module(gm, ctx, rank, em.graph)
+        if node in em.env:
+            em.sources[em.env[node]] = node
+    return em.graph
 
 
 def _rewrite_node(em: _Emitter, node: Node) -> None:

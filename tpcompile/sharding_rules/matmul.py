@@ -48,6 +48,11 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         if isinstance(b, Node):
             params[b] = ParamSlice(0, out.segments, padded, pieces)
         return Result(out, [ctx.replicated_want(x, out)], role="column", params=params)
+    if isinstance(px, Shard) and px.groups is not None:
+        # pieces shared by several ranks would be summed once per sharing rank (2 query heads at 4 ranks)
+        return Result(REPLICATE, [Want(x, REPLICATE)], params=params,
+                      conflict=f"input holds {px.groups} pieces shared among {ctx.world_size} ranks; a row "
+                               f"split would count each piece {ctx.world_size // px.groups} times")
     if isinstance(px, Shard) and px.dim == len(xshape) - 1 and px.outer is None:
         params[w] = ParamSlice(in_dim, px.segments, px.padded)
         out = ctx.reduced(node)

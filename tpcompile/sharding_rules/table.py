@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
+from tpcompile.errors import TPCompileError
+from tpcompile.sharding_rules.schema import parse_table
 
 _TABLE_FILE = Path(__file__).with_name("ops.yaml")
 
@@ -25,17 +26,12 @@ class RuleSpec:
 
 @functools.lru_cache(maxsize=None)
 def load_table(path: str = str(_TABLE_FILE)) -> dict[str, RuleSpec]:
-    """Op name ('aten.linear.default') -> RuleSpec, from the YAML table."""
-    raw = yaml.safe_load(Path(path).read_text())
-    table: dict[str, RuleSpec] = {}
-    for key, value in raw.items():
-        if key in ("pointwise", "no_output"):
-            for op in value:
-                table[op] = RuleSpec(key)
-        else:
-            value = dict(value)
-            table[key] = RuleSpec(value.pop("rule"), value)
-    return table
+    """Op name ('aten.linear.default') -> RuleSpec, from the YAML table, every row checked (schema.py)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TPCompileError(f"rule file {path} cannot be read ({e}); pass the path of a UTF-8 YAML op table") from e
+    return {op: RuleSpec(rule, args) for op, (rule, args, _) in parse_table(text, path).items()}
 
 
 def op_name(target: Any) -> str:

@@ -1,0 +1,13 @@
+# Developer shortcuts; CI runs .ci/run.
+PYTHON ?= .venv/bin/python
+TPCOMPILE_FUZZ_EXAMPLES ?= 2000
+
+.PHONY: test fuzz
+
+# The default suite (about 2.5 minutes on 2 cores), the short fuzz run included.
+test:
+	$(PYTHON) -m pytest -q
+
+# The long property-based run: TPCOMPILE_FUZZ_EXAMPLES random cases, a summary by outcome at the end.
+fuzz:
+	TPCOMPILE_FUZZ_EXAMPLES=$(TPCOMPILE_FUZZ_EXAMPLES) $(PYTHON) -m pytest -q -s -m slow tests/test_fuzz.py -p no:cacheprovider
