@@ -250,7 +250,6 @@ def _module(gm: GraphModule, ctx: PassContext, rank: int, graph: fx.Graph) -> Gr
     for attr in ("_in_spec", "_out_spec"):
         if hasattr(gm, attr):
             setattr(out, attr, getattr(gm, attr))
-    out.recompile()
     return out
 
 
