@@ -163,6 +163,7 @@ def _rank_checks(rank: int, big: str, ckpt: str) -> dict:
         out["mismatch"] = str(e)
     out["mismatch_s"] = time.monotonic() - start
     out["generate"] = _run_example("generate.py", "--tokens", "6")
+    out["torchrun_gpt"] = _run_example("torchrun_gpt.py")
     return out
 
 

@@ -42,6 +42,18 @@ def test_generate_example_runs_in_the_group() -> None:
     assert r1["generate"] == ""
 
 
+@pytest.mark.gloo
+def test_torchrun_gpt_example_runs_in_the_group() -> None:
+    """examples/torchrun_gpt.py on 2 ranks: rank 0 reports a sharded parameter count and OK, rank 1 nothing."""
+    r0, r1 = results()["ranks"]
+    lines = r0["torchrun_gpt"].strip().splitlines()
+    assert lines[0].startswith("world size 2 on gloo: rank 0 holds ")
+    held, total = (int(x.replace(",", "")) for x in lines[0].split("holds ")[1].split(" parameters")[0].split(" of "))
+    assert held < 0.6 * total
+    assert lines[1] == "OK"
+    assert r1["torchrun_gpt"] == ""
+
+
 def test_parallelize_needs_a_process_group() -> None:
     """Without torch.distributed initialised, parallelize points to torchrun or shard()."""
     with pytest.raises(tpcompile.TPCompileError, match="initialised process group"):
