@@ -21,6 +21,7 @@ from tpcompile.models import GPT
 from tpcompile.models.gpt import CausalSelfAttention
 from tpcompile.models.mlp import MLPStack
 
+from bench.device import rank_device
 from bench.handwritten_mlp import TPMLPStack
 from bench.handwritten_tp import TPGPT
 from bench.workloads import Workload
@@ -56,11 +57,13 @@ def parameter_bytes(params: list) -> int:
 
 
 def _handwritten(wl: Workload, model: nn.Module, rank: int, ws: int) -> nn.Module:
-    """The Megatron-style module for this workload's model."""
+    """The Megatron-style module for this workload's model, on the model's device."""
+    device = next(model.parameters()).device
+    # Its layer norms are built afresh (on the CPU); the slices already sit on the model's device.
     if isinstance(model, MLPStack):
-        return TPMLPStack(model, rank, ws)
+        return TPMLPStack(model, rank, ws).to(device)
     if isinstance(model, GPT):
-        return TPGPT(model, rank, ws)
+        return TPGPT(model, rank, ws).to(device)
     raise TypeError(f"no hand-written split for {type(model).__name__}")
 
 
@@ -90,7 +93,7 @@ def _local_heads_forward(self: CausalSelfAttention, x: torch.Tensor) -> torch.Te
 def _dtensor(wl: Workload, model: nn.Module, ws: int) -> nn.Module:
     """parallelize_module with the workload's column / row / vocabulary plan."""
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", (ws,))
+    mesh = init_device_mesh(rank_device().type, (ws,))
     plan = {path: _dtensor_style(kind) for path, kind in wl.plan.items()}
     module = parallelize_module(copy.deepcopy(model), mesh, plan)
     for m in module.modules():
@@ -106,7 +109,7 @@ def _tp_transform(wl: Workload, model: nn.Module, inputs: tuple, rank: int, ws: 
     styles = {path: ColwiseParallel if kind.startswith("colwise") else RowwiseParallel
               for path, kind in wl.plan.items() if kind != "vocab"}
     ep = torch.export.export(copy.deepcopy(model), inputs)
-    return tensor_parallel_transformation(ep, rank, ws, "cpu", styles).module()
+    return tensor_parallel_transformation(ep, rank, ws, rank_device().type, styles).module()
 
 
 def _tpcompile(model: nn.Module, inputs: tuple, rank: int, ws: int, info: dict) -> nn.Module:
@@ -144,7 +147,7 @@ def build_contender(name: str, wl: Workload, model: nn.Module, inputs: tuple, ra
     c.setup_s = time.perf_counter() - start
     if dist.is_initialized():
         # A contender runs only where every rank built it, so no rank waits on a missing peer.
-        ok = torch.tensor([0 if c.module is None else 1])
+        ok = torch.tensor([0 if c.module is None else 1], device=rank_device())
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if not int(ok) and c.error is None:
             c.module, c.error = None, "failed on another rank"

@@ -14,6 +14,7 @@ from tpcompile import collectives as C
 
 from bench.comm_count import CommCounter, summarize
 from bench.contenders import CONTENDERS, Contender, build_contender, parameter_bytes
+from bench.device import rank_device, synchronize
 from bench.workloads import WORKLOADS, Workload
 
 __all__ = ["LR", "rank_main"]
@@ -52,18 +53,21 @@ def _why(e: Exception) -> str:
 
 def _synced_ok(ok: bool) -> bool:
     """True when every rank says ok."""
-    flag = torch.tensor([1 if ok else 0])
+    flag = torch.tensor([1 if ok else 0], device=rank_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(int(flag))
 
 
 def _timed(fn: Callable[[], Any], rank0_only: bool) -> float:
     """Seconds fn takes on the slowest rank, every rank starting together."""
+    device = rank_device()
     dist.barrier()
+    synchronize(device)
     start = time.perf_counter()
     if not rank0_only or dist.get_rank() == 0:
         fn()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    synchronize(device)  # a GPU returns before its kernels finish: the clock waits for them
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed)
 
@@ -100,7 +104,7 @@ def _check(wl: Workload, c: Contender, inputs: tuple, ref: torch.Tensor, ref_los
 
 def _reference(wl: Workload, inputs: tuple) -> tuple[torch.Tensor, list[float]]:
     """The original model's output and its first two training losses."""
-    model = wl.build()
+    model = wl.build().to(inputs[0].device)
     with torch.no_grad():
         ref = _first(model(*inputs))
     c = Contender("reference", copy.deepcopy(model), list(model.parameters()))
@@ -112,9 +116,10 @@ def _reference(wl: Workload, inputs: tuple) -> tuple[torch.Tensor, list[float]]:
 def run_workload(wl: Workload, rank: int, ws: int, reps: int, train_reps: int, warmup: int,
                  names: tuple = CONTENDERS) -> dict:
     """Every contender of one workload on this rank: checks, counts and interleaved timings."""
-    inputs = wl.inputs()
+    device = rank_device()
+    inputs = tuple(t.to(device) for t in wl.inputs())
     ref, ref_losses = _reference(wl, inputs)
-    model = wl.build()
+    model = wl.build().to(device)
     out: dict[str, Any] = {}
     ready: dict[str, Contender] = {}
     for name in names:

@@ -85,9 +85,10 @@ def _nodes_per_layer(ct: dict[str, Any]) -> str:
 def render(res: dict[str, Any]) -> str:
     """The markdown report."""
     ws, wls, ct = res["world_size"], res["workloads"], res["compile_time"]
+    device = res.get("device", f"CPU, {res['backend']}")  # results saved before the device was recorded
     lines = ["# tpcompile against other tensor-parallel methods", "",
              f"Produced by `.venv/bin/python -m bench` on {res['date'][:10]} with torch {res['torch']}, Python"
-             f" {res['python']}, {res['machine']} CPU: world size {ws} on {res['backend']} over 127.0.0.1, one"
+             f" {res['python']}, {res['machine']} CPU: world size {ws} ({device}) over 127.0.0.1, one"
              f" process per rank, one intra-op thread each; whole run {res['wall_s']:.0f} s.", ""]
     if res["targets"]:
         lines += ["Targets (MLP stack at 2 ranks; shard() of the deepest Llama shape):", "",
@@ -187,7 +188,7 @@ def plot_latency(res: dict[str, Any], path: Path) -> None:
                 ax.text(i, 0, "failed", ha="center", va="bottom", rotation=90, fontsize=8)
         ax.set_xticks(range(len(names)), [LABEL[n].replace(" ", "\n", 1) for n in names], fontsize=8)
         ax.set_ylabel("ms")
-        ax.set_title(f"{key}: world size {res['world_size']}, gloo, 1 thread per rank")
+        ax.set_title(f"{key}: world size {res['world_size']}, {res['backend']}, 1 thread per rank")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=80)

@@ -24,10 +24,12 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from tpcompile import TPCompileError  # noqa: E402
 from tpcompile.runtime import launch  # noqa: E402
 
 from bench.compile_time import measure_compile_time  # noqa: E402
 from bench.contenders import CONTENDERS  # noqa: E402
+from bench.device import BACKENDS, choose_backend, describe_device  # noqa: E402
 from bench.measure import LR, rank_main  # noqa: E402
 from bench.report import render, plot_compile_time, plot_latency  # noqa: E402
 from bench.workloads import WORKLOADS  # noqa: E402
@@ -135,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--backend", choices=BACKENDS, default="auto",
+                    help="auto: nccl (one GPU per rank) when there are enough GPUs, else gloo on the CPU")
     ap.add_argument("--tiny", action="store_true", help="seconds-long smoke configuration")
     ap.add_argument("--reps", type=int, help="timed forwards per contender")
     ap.add_argument("--train-reps", type=int, help="timed training steps per contender")
@@ -152,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg["specs"] = [(name, kwargs) for name, kwargs in cfg["specs"] if name in models]
     if args.from_json is not None:
         return write_outputs(json.loads(args.from_json.read_text()), args.out_dir, args.readme)
+    try:
+        backend = choose_backend(args.backend, args.world_size)
+    except TPCompileError as e:
+        print(f"bench: error: {e}", file=sys.stderr)
+        return 2
     wall = time.perf_counter()
     load_start = list(os.getloadavg())  # other work on the machine: the report states it
     timing = (cfg["layers"], 8, cfg["repeats"], cfg["shape"])
@@ -160,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     with ThreadPoolExecutor(1) as pool:
         early = pool.submit(measure_compile_time, *timing) if args.tiny else None
         ranks = launch(args.world_size, rank_main, args.world_size, cfg["specs"], cfg["reps"],
-                       cfg["train_reps"], cfg["warmup"], timeout=540)
+                       cfg["train_reps"], cfg["warmup"], backend=backend, timeout=540)
         compile_time = early.result() if early is not None else measure_compile_time(*timing)
     workloads = {}
     for name, kwargs in cfg["specs"]:
@@ -170,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-        "backend": "gloo", "world_size": args.world_size, "threads_per_rank": 1, "tiny": args.tiny,
+        "backend": backend, "device": describe_device(backend, args.world_size), "world_size": args.world_size,
+        "threads_per_rank": 1, "tiny": args.tiny,
         "reps": cfg["reps"], "train_reps": cfg["train_reps"], "warmup": cfg["warmup"], "lr": LR,
         "contenders": list(CONTENDERS), "workloads": workloads, "compile_time": compile_time,
         "targets": targets(workloads["mlp"]["contenders"], compile_time) if "mlp" in workloads else [],

@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tpcompile import TPCompileError
 from tpcompile.models import GPT, GPTConfig
 from tpcompile.runtime import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+from bench.device import choose_backend, describe_device  # noqa: E402
 from bench.handwritten_tp import TPGPT  # noqa: E402
 from bench.run import main as bench_main, summarize_workload  # noqa: E402
 
@@ -101,6 +103,7 @@ def test_bench_command_tiny(tmp_path: Path) -> None:
     assert [r["layers"] for r in ct] == [1, 2] and all(r["capture_s"] > 0 and r["passes_s"] > 0 for r in ct)
     assert ct[1]["nodes"] > ct[0]["nodes"] and ct[1]["collectives"] > ct[0]["collectives"]
     text = (tmp_path / "latest.md").read_text()
+    assert res["backend"] == "gloo" and res["device"] == "CPU, gloo" and "world size 2 (CPU, gloo)" in text
     tp_row = next(line for line in text.splitlines() if line.startswith("| tpcompile |"))
     assert f"| {mlp['tpcompile']['forward']['median_ms']:.1f} |" in tp_row
     assert "](latency.png)" in text and "](compile_time.png)" in text
@@ -132,3 +135,31 @@ def test_wrong_gradients_are_flagged() -> None:
     wrong = summarize_workload([rank([1.0, 0.95])])["x"]["train"]
     assert ok["status"] == "ok" and ok["step_rel_diff"] < 1e-2
     assert wrong["status"] == "wrong gradients" and abs(wrong["step_rel_diff"] - 0.5) < 1e-9
+
+
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+    """torch.cuda reports `count` devices (none: unavailable), each an 'NVIDIA H200'."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA H200")
+
+
+def test_backend_choice(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """auto is gloo without CUDA or with too few GPUs, nccl with one per rank; nccl without them is one clear error."""
+    _fake_cuda(monkeypatch, 0)
+    assert choose_backend("auto", 2) == "gloo" and choose_backend("gloo", 2) == "gloo"
+    assert describe_device("gloo", 2) == "CPU, gloo"
+    with pytest.raises(TPCompileError, match=r"needs 2 CUDA devices .* found 0 .*--backend gloo"):
+        choose_backend("nccl", 2)
+    # The command turns it into one line on stderr and exit status 2, before starting any rank.
+    assert bench_main(["--tiny", "--backend", "nccl"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "found 0" in err and "--backend gloo" in err
+    _fake_cuda(monkeypatch, 1)
+    assert choose_backend("auto", 2) == "gloo"
+    with pytest.raises(TPCompileError, match="found 1"):
+        choose_backend("nccl", 2)
+    _fake_cuda(monkeypatch, 2)
+    assert choose_backend("auto", 2) == "nccl" and choose_backend("nccl", 2) == "nccl"
+    assert choose_backend("gloo", 2) == "gloo" and choose_backend("auto", 4) == "gloo"
+    assert describe_device("nccl", 2) == "2 x NVIDIA H200 on nccl"

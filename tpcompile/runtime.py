@@ -90,6 +90,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
     """Run fn(rank, *args) in a fresh process group and send (rank, ok, payload) back."""
     try:
         torch.set_num_threads(1)
+        if backend == "nccl":  # one GPU per rank, chosen before NCCL binds its communicator
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout))
         try:
