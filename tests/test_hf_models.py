@@ -115,6 +115,24 @@ def test_hf_heads_not_divisible_warns_and_matches() -> None:
             torch.testing.assert_close(out.logits, ref, atol=1e-4, rtol=0)
 
 
+def test_llama_heads_not_divisible_keeps_the_mlp_split() -> None:
+    """Llama with 6 heads at 4 ranks: attention replicated, but every MLP stays column -> row (RMSNorm between)."""
+    arch = next(a for a in ARCHS if a.name == "llama")
+    model = build(arch, hidden_size=96, num_attention_heads=6, num_key_value_heads=6)
+    with pytest.warns(tpcompile.TPCompileWarning):
+        sm = tpcompile.shard(model, 4, example_kwargs=inputs(arch, 2, 8))
+    for layer in range(2):
+        roles = {p: sm.plan.parameters[f"model.layers.{layer}.{p}.weight"].role
+                 for p in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+        assert roles == {"self_attn.o_proj": "replicated", "mlp.gate_proj": "column",
+                         "mlp.up_proj": "column", "mlp.down_proj": "row"}
+    kw = inputs(arch, 3, 13)
+    with torch.no_grad():
+        ref = model(**kw).logits
+        for out in tpcompile.simulate(sm, **kw):
+            torch.testing.assert_close(out.logits, ref, atol=1e-4, rtol=0)
+
+
 def test_gpt2_conv1d_and_tied_head() -> None:
     """GPT-2's Conv1D c_attn is sliced per q/k/v segment; wte and lm_head stay one parameter."""
     from hf_models import ARCHS as all_archs

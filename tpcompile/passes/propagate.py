@@ -84,9 +84,16 @@ def _run_once(gm: GraphModule, ctx: PassContext) -> tuple[list, list]:
     conflicts: list[tuple[frozenset, str]] = []
     regroups: list[tuple[frozenset, int]] = []
     tainted: set[Node] = set()
+    # Seeds this sweep has already blamed: the next round replicates them, so a value split only
+    # by them is replicated there too, and the rest of this sweep reads it that way. Otherwise
+    # their splits travel on (along a residual stream, say) and later ops blame seeds that are fine.
+    doomed: set[Node] = set()
 
     def placement(n: Any) -> Any:
-        return n.meta.get("tp_placement", REPLICATE) if isinstance(n, Node) else REPLICATE
+        if not isinstance(n, Node):
+            return REPLICATE
+        p = n.meta.get("tp_placement", REPLICATE)
+        return _replicated_like(p) if doomed and n in origins and origins[n] <= doomed else p
 
     def param(n: Any) -> Optional[torch.Tensor]:
         if isinstance(n, Node) and n.op == "get_attr":
@@ -125,6 +132,7 @@ def _run_once(gm: GraphModule, ctx: PassContext) -> tuple[list, list]:
         downstream = any(i in tainted for i in inputs)
         if res.demote_self and not downstream:
             conflicts.append((frozenset([node]), f"{describe(node)}: {res.demote_self}"))
+            doomed.add(node)
         if downstream:
             tainted.add(node)
         if why and not downstream:
@@ -134,6 +142,7 @@ def _run_once(gm: GraphModule, ctx: PassContext) -> tuple[list, list]:
                 tainted.add(node)
             else:
                 conflicts.append((blamed or src, f"{describe(node)}: {why}"))
+                doomed.update(blamed or src)
                 if (blamed or src) != src:
                     tainted.add(node)
         if why:
