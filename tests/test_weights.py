@@ -11,7 +11,8 @@ from safetensors.torch import save_model
 import tpcompile
 from tpcompile.models import GPT, GPTConfig
 from tpcompile.sharding_rules.context import ParamSlice
-from tpcompile.weights import load_rank_weights, rank_pieces
+from tpcompile.placement import rank_pieces
+from tpcompile.weights import load_rank_weights
 
 CFG = GPTConfig(attention="manual", vocab_size=250)
 

@@ -10,7 +10,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
-import torch
 from torch import nn
 from torch.fx import GraphModule
 
@@ -20,8 +19,9 @@ from tpcompile.errors import TPCompileError
 from tpcompile.passes.annotate import annotate_pass
 from tpcompile.passes.context import PLAN_VALUES, PassContext, module_path, owner_path
 from tpcompile.passes.propagate import propagate_pass, seed_path
-from tpcompile.passes.rewrite import local_tensor, rewrite_graph, rewrite_pass
+from tpcompile.passes.rewrite import rewrite_graph, rewrite_pass
 from tpcompile.passes.verify import collective_signature, verify_pass, verify_rank
+from tpcompile.placement import slice_shape
 from tpcompile.plan_file import PlanFile, load_plan
 from tpcompile.sharding_rules.context import ParamSlice
 
@@ -44,7 +44,7 @@ class ParamPlan:
     pieces: Optional[int] = None  # split into this many pieces, each shared by world_size/pieces ranks
 
     def slice(self) -> Optional[ParamSlice]:
-        """How the parameter is cut, for tpcompile.passes.rewrite.local_tensor (None: whole)."""
+        """How the parameter is cut (tpcompile.placement.rank_pieces, rewrite.local_tensor; None: whole)."""
         return None if self.dim is None else ParamSlice(self.dim, self.segments, self.padded, self.pieces)
 
 
@@ -166,7 +166,7 @@ def _make_plan(gm: GraphModule, ctx: PassContext) -> Plan:
         owners = [owner_path(n) for n in ctx.aliases(name)]
         roles = [plan.modules[o] for o in owners if o in plan.modules]
         role = next((r for r in roles if r != "replicated"), "replicated") if sl is not None else "replicated"
-        local = tuple(local_tensor(torch.empty(t.shape, device="meta"), sl, 0, ctx.world_size).shape)
+        local = slice_shape(t.shape, sl, ctx.world_size)
         tied = tuple(n for n in ctx.aliases(name) if n != name)
         plan.parameters[name] = ParamPlan(name, role, None if sl is None else sl.dim,
                                           None if sl is None else sl.segments, tuple(t.shape), local, tied,

@@ -6,24 +6,19 @@ from typing import Any, Optional
 import torch
 
 from tpcompile.errors import TPCompileError
-from tpcompile.placement import segment_ranges
+from tpcompile.placement import rank_pieces
 
 
 def merge_slices(pieces: list[torch.Tensor], sl: Any, full_size: int, world_size: int) -> torch.Tensor:
     """The whole tensor from every rank's slice (the inverse of rewrite.local_tensor)."""
     if sl is None:
         return pieces[0].detach().clone()
-    if getattr(sl, "groups", None):  # rank r holds piece r // (world_size / groups)
-        share = world_size // sl.groups
-        return torch.cat([pieces[g * share] for g in range(sl.groups)], dim=sl.dim).detach().clone()
-    size = sl.padded or full_size
-    out = pieces[0].new_zeros([size if d == sl.dim else s for d, s in enumerate(pieces[0].shape)])
+    # the ranks' runs tile the whole tensor (checked by verify); ranks sharing a piece write it alike
+    out = pieces[0].new_empty([full_size if d == sl.dim else s for d, s in enumerate(pieces[0].shape)])
     for rank, piece in enumerate(pieces):
-        offset = 0
-        for a, b in segment_ranges(size, sl.segments, rank, world_size):
-            out.narrow(sl.dim, a, b - a).copy_(piece.narrow(sl.dim, offset, b - a))
-            offset += b - a
-    return out.narrow(sl.dim, 0, full_size).clone() if sl.padded else out
+        for start, local, n in rank_pieces(sl, full_size, rank, world_size):
+            out.narrow(sl.dim, start, n).copy_(piece.detach().narrow(sl.dim, local, n))
+    return out
 
 
 def merge_state_dicts(sharded: Any, states: list[dict], *, strict: bool = True) -> dict:

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.fx import GraphModule
 
 from tpcompile.errors import TPCompileError
-from tpcompile.weights import rank_pieces
+from tpcompile.placement import rank_pieces
 
 __all__ = ["load", "rank_state", "save"]
 

@@ -8,7 +8,7 @@ is the one-segment case. DTensor's `Shard(dim)` has no segments, hence these sma
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,33 @@ def moved(p: Shard, dim: int) -> Shard:
 def padded_size(size: int, world_size: int) -> int:
     """`size` rounded up to a multiple of the world size."""
     return -(-size // world_size) * world_size
+
+
+def rank_pieces(sl: Any, full: int, rank: int, world_size: int) -> list[tuple[int, int, int]]:
+    """(global start, local start, length) of each run along sl.dim of a cut parameter that `rank` holds.
+
+    `sl` is a ParamSlice (dim, segments, padded, groups); padding is left out, so the local
+    positions past the last run are the zero padding.
+    """
+    if sl.groups:  # one of `groups` pieces, shared by world_size/groups ranks
+        size = full // sl.groups
+        return [(rank // (world_size // sl.groups) * size, 0, size)]
+    out, local = [], 0
+    for a, b in segment_ranges(sl.padded or full, sl.segments, rank, world_size):
+        n = min(b, full) - a
+        if n > 0:
+            out.append((a, local, n))
+        local += b - a
+    return out
+
+
+def slice_shape(shape: Sequence[int], sl: Any, world_size: int) -> tuple[int, ...]:
+    """A parameter's shape on one rank when cut by ParamSlice `sl` (None: whole)."""
+    if sl is None:
+        return tuple(shape)
+    out = list(shape)
+    out[sl.dim] = shape[sl.dim] // sl.groups if sl.groups else (sl.padded or shape[sl.dim]) // world_size
+    return tuple(out)
 
 
 def segment_ranges(size: int, segments: Optional[Sequence[int]], rank: int, world_size: int) -> list[tuple[int, int]]:

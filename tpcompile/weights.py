@@ -3,32 +3,18 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 from torch import nn
 from torch.fx import GraphModule
 
 from tpcompile.errors import TPCompileError
-from tpcompile.placement import segment_ranges
+from tpcompile.placement import rank_pieces
 
-__all__ = ["WeightSource", "allocate", "load_rank_weights", "open_weights", "rank_pieces", "retarget"]
+__all__ = ["WeightSource", "allocate", "load_rank_weights", "open_weights", "retarget"]
 
 Weights = Union[dict, str, os.PathLike, Iterable]
-
-
-def rank_pieces(sl: Any, full: int, rank: int, ws: int) -> list[tuple[int, int, int]]:
-    """(global start, local start, length) of each run along sl.dim that `rank` holds, padding left out."""
-    if sl.groups:  # one of `groups` pieces, shared by world_size/groups ranks
-        size = full // sl.groups
-        return [(rank // (ws // sl.groups) * size, 0, size)]
-    out, local = [], 0
-    for a, b in segment_ranges(sl.padded or full, sl.segments, rank, ws):
-        n = min(b, full) - a
-        if n > 0:
-            out.append((a, local, n))
-        local += b - a
-    return out
 
 
 class WeightSource:
@@ -132,26 +118,15 @@ def load_rank_weights(gm: GraphModule, sharded: Any, rank: int, weights: Weights
     src = open_weights(weights)
     ctx, ws = sharded._ctx, sharded.world_size
     device = torch.device(device) if device is not None else _default_device(gm)
-    made: dict[int, torch.Tensor] = {}
-    missing: list[str] = []
-    entries = [(n, t, True) for n, t in gm.named_parameters(remove_duplicate=False)]
-    entries += [(n, t, False) for n, t in gm.named_buffers(remove_duplicate=False)]
-    for name, old, is_param in entries:
-        if id(old) not in made:
-            key = next((a for a in [name, *ctx.aliases(name)] if a in src), None)
-            if key is None:
-                if old.is_meta:
-                    missing.append(name)
-                    continue
-                new = old.detach().to(device)
-            else:
-                with torch.no_grad():
-                    new = _local(src, key, old, tuple(ctx.tensors[name].shape), ctx.slice_for(name),
-                                 rank, ws, device)
-            made[id(old)] = nn.Parameter(new, requires_grad=old.requires_grad) if is_param else new
-        _put(gm, name, made[id(old)], is_param)
-    if any(t.is_meta for _, t, _ in entries):
-        retarget(gm, torch.device("meta"), device)
+
+    def make(name: str, old: torch.Tensor) -> Optional[torch.Tensor]:
+        key = next((a for a in [name, *ctx.aliases(name)] if a in src), None)
+        if key is None:
+            return None if old.is_meta else old.detach().to(device)
+        with torch.no_grad():
+            return _local(src, key, old, tuple(ctx.tensors[name].shape), ctx.slice_for(name), rank, ws, device)
+
+    missing = _rebuild(gm, device, make)
     if missing:
         raise TPCompileError(f"the weights lack {len(missing)} tensor(s) the model holds on the meta "
                              f"device: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; "
@@ -163,17 +138,29 @@ def load_rank_weights(gm: GraphModule, sharded: Any, rank: int, weights: Weights
 def allocate(gm: GraphModule, *, device: Union[str, torch.device, None] = None) -> GraphModule:
     """Give every meta tensor of a rank module zero-filled storage of its (local) shape, tied ones once."""
     device = torch.device(device) if device is not None else _default_device(gm)
+    _rebuild(gm, device, lambda name, old: torch.zeros(old.shape, dtype=old.dtype, device=device)
+             if old.is_meta else old.detach().to(device))
+    return gm
+
+
+def _rebuild(gm: GraphModule, device: torch.device,
+             make: Callable[[str, torch.Tensor], Optional[torch.Tensor]]) -> list[str]:
+    """Replace every parameter and buffer by make(name, old), tied ones once; the names make left out."""
     made: dict[int, torch.Tensor] = {}
+    missing: list[str] = []
     entries = [(n, t, True) for n, t in gm.named_parameters(remove_duplicate=False)]
     entries += [(n, t, False) for n, t in gm.named_buffers(remove_duplicate=False)]
     for name, old, is_param in entries:
         if id(old) not in made:
-            new = torch.zeros(old.shape, dtype=old.dtype, device=device) if old.is_meta else old.detach().to(device)
+            new = make(name, old)
+            if new is None:
+                missing.append(name)
+                continue
             made[id(old)] = nn.Parameter(new, requires_grad=old.requires_grad) if is_param else new
         _put(gm, name, made[id(old)], is_param)
     if any(t.is_meta for _, t, _ in entries):
         retarget(gm, torch.device("meta"), device)
-    return gm
+    return missing
 
 
 def _default_device(gm: GraphModule) -> torch.device:

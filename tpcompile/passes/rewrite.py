@@ -14,7 +14,7 @@ import tpcompile.piece_grads  # noqa: F401  (registers torch.ops.tpcompile.grad_
 from tpcompile.passes.context import PassContext, internal_error
 from tpcompile.passes.rewrite_dropout import emit_dropout, emit_sdpa_with_dropout, is_live_dropout, sdpa_dropout
 from tpcompile.passes.verify import local_shape, shape_key
-from tpcompile.placement import Replicate, Shard, is_seq, segment_ranges
+from tpcompile.placement import Replicate, Shard, is_seq, rank_pieces, slice_shape
 from tpcompile.sharding_rules.context import Want
 
 aten = torch.ops.aten
@@ -47,8 +47,7 @@ class _Emitter:
             t = self.ctx.tensors.get(src.target)
             if t is None:
                 return None
-            local = local_tensor(torch.empty(t.shape, device="meta"), self.ctx.slice_for(src.target), self.rank, self.ws)
-            return shape_key(local.shape)
+            return shape_key(slice_shape(t.shape, self.ctx.slice_for(src.target), self.ws))
         # not a source's value: the partial sum of the op being rewritten (row split, vocabulary), full size
         p = src.meta.get("tp_placement") if src is not None else None
         val = (src if src is not None else self.current).meta.get("val")
@@ -222,15 +221,10 @@ def local_tensor(t: torch.Tensor, sl: Any, rank: int, ws: int) -> torch.Tensor:
     """This rank's piece of a parameter (a copy, so ranks never share storage)."""
     if sl is None:
         return t.detach().clone()
-    if getattr(sl, "groups", None):  # one of `groups` pieces, shared by world_size/groups ranks
-        size = t.shape[sl.dim] // sl.groups
-        return t.narrow(sl.dim, rank // (ws // sl.groups) * size, size).detach().clone().contiguous()
-    if getattr(sl, "padded", None):
-        pad = list(t.shape)
-        pad[sl.dim] = sl.padded - t.shape[sl.dim]
-        t = torch.cat([t, t.new_zeros(pad)], dim=sl.dim)
-    pieces = [t.narrow(sl.dim, a, b - a) for a, b in segment_ranges(t.shape[sl.dim], sl.segments, rank, ws)]
-    return torch.cat(pieces, dim=sl.dim).detach().clone().contiguous()
+    out = t.new_zeros(slice_shape(t.shape, sl, ws))  # what no run covers is vocabulary padding
+    for start, local, n in rank_pieces(sl, t.shape[sl.dim], rank, ws):
+        out.narrow(sl.dim, local, n).copy_(t.detach().narrow(sl.dim, start, n))
+    return out
 
 
 def _module(gm: GraphModule, ctx: PassContext, rank: int, graph: fx.Graph) -> GraphModule:
