@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import tpcompile  # noqa: E402
-from tpcompile import collectives as C  # noqa: E402
+from tpcompile.ops import collectives as C  # noqa: E402
 
 from hf_models import ARCHS, SIZES, Arch, build, inputs  # noqa: E402
 
@@ -63,7 +63,7 @@ def run_one(arch: Arch, ws: int) -> dict[str, Any]:
     diff = max(float((out[arch.output].detach() - ref).abs().max()) for out in outs)
     counts: dict[str, int] = {}
     for e in events:
-        if e.rank == 0 and e.phase == "forward" and e.op in C.FORWARD_COMMUNICATING:
+        if e.rank == 0 and e.phase == "forward" and e.op in C.FORWARD_COLLECTIVES:
             counts[e.op] = counts.get(e.op, 0) + 1
     share, total = _param_share(model, sm)
     return {"diff": diff, "counts": counts, "share": share, "total": total, "warnings": warned,
@@ -110,7 +110,7 @@ def render(rows: list[dict], wall_s: float) -> str:
         "- max abs diff: largest absolute difference between any rank's output (`logits`; BERT:"
         f" `last_hidden_state`) and the original model's; ✓ means it is at most {TOLERANCE:g}.",
         "- forward collectives: communicating collectives one rank executed in that forward"
-        " (`tpcompile.collectives.record()`).",
+        " (`tpcompile.ops.collectives.record()`).",
         "- params per rank: bytes of one rank's parameter slices over the model's parameter bytes"
         " (from `sm.plan.parameters`, tied weights once).",
         "- warnings: `TPCompileWarning`s raised by `shard` (each listed below).",

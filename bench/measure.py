@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from tpcompile import collectives as C
+from tpcompile.ops import collectives as C
 
 from bench.comm_count import CommCounter, summarize
 from bench.contenders import CONTENDERS, Contender, build_contender, parameter_bytes
@@ -80,7 +80,7 @@ def _check(wl: Workload, c: Contender, inputs: tuple, ref: torch.Tensor, ref_los
             out = _local(_first(c.module(*inputs)))
         res["forward"] = {"diff": float((out - ref).abs().max()), **summarize(cc.calls)}
         res["forward"]["tpcompile_record"] = summarize(
-            [(e.op, e.nbytes) for e in events if e.op in C.FORWARD_COMMUNICATING])
+            [(e.op, e.nbytes) for e in events if e.op in C.FORWARD_COLLECTIVES])
     except Exception as e:  # noqa: BLE001  a contender that cannot run a model is a result
         res["error"] = _why(e)
     if not _synced_ok("error" not in res):

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tpcompile.report.units import format_bytes
+
 __all__ = ["plot_compile_time", "plot_latency", "render"]
 
 LABEL = {"single": "one process", "hand-written": "hand-written Megatron", "dtensor": "DTensor parallelize_module",
@@ -12,10 +14,8 @@ LABEL = {"single": "one process", "hand-written": "hand-written Megatron", "dten
 
 
 def _bytes(n: int | None) -> str:
-    """Bytes in KiB/MiB."""
-    if n is None:
-        return "-"
-    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+    """Bytes as tpcompile prints them, or '-'."""
+    return "-" if n is None else format_bytes(n)
 
 
 def _counts(counts: dict[str, int] | None) -> str:
@@ -141,7 +141,7 @@ def render(res: dict[str, Any]) -> str:
               "- collectives and bytes: counted while one forward / one training step runs, by a dispatch mode that"
               " sees every `torch.distributed` call, DTensor's functional collectives and tpcompile's ops; bytes are"
               " what this rank sends in (its input tensor to each collective). Identical on every rank"
-              " (checked); tpcompile's forward count also matches `tpcompile.collectives.record()`.",
+              " (checked); tpcompile's forward count also matches `tpcompile.ops.collectives.record()`.",
               "- params per rank: distinct local parameter storages (a DTensor counts its local shard).",
               "- max abs diff: largest difference of any rank's forward output from the original model's. A"
               " training step is checked by its first two losses against the original's: the first within"

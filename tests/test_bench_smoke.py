@@ -17,7 +17,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from bench.device import choose_backend, describe_device  # noqa: E402
 from bench.handwritten_tp import TPGPT  # noqa: E402
-from bench.run import main as bench_main, summarize_workload  # noqa: E402
+from bench.run import main as bench_main  # noqa: E402
+from bench.run import summarize_workload
 
 pytestmark = pytest.mark.gloo
 

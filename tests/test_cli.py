@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tpcompile
-from tpcompile.loading import load_model
+from tpcompile.cli.model_spec import load_model
 
 # A vocabulary embedding, an FFN with a residual and a head: vocab, column and row splits and a gather.
 TINY = '''

@@ -141,7 +141,6 @@ def test_dump_without_out_prints_code(capsys: pytest.CaptureFixture[str]) -> Non
 
 def test_plan_file_flag(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """--plan FILE replicates the module it names (shown by plan, exact under verify); a bad file is one line."""
-    pytest.importorskip("tpcompile.plan_file")
     good = tmp_path / "plan.yaml"
     good.write_text("transformer.h.0.mlp: replicate\n")
     assert main(["plan", "gpt", "--plan", str(good)]) == 0

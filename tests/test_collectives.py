@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from tpcompile import collectives as C
 from tpcompile.errors import TPCompileError
-from tpcompile.simulator import simulate_ranks
+from tpcompile.ops import collectives as C
+from tpcompile.runtime.simulator import simulate_ranks
 
 DIM_OPS = ("all_gather", "reduce_scatter", "all_gather_replicated", "scatter")
 
@@ -99,7 +99,7 @@ def test_ops_are_registered_with_exact_schemas() -> None:
         "scatter": "tpcompile::scatter(Tensor x, int dim, str group) -> Tensor",
     }
     assert set(C.COLLECTIVE_OPS) == set(want)
-    assert C.FORWARD_COMMUNICATING == {"all_reduce", "all_gather", "reduce_scatter",
+    assert C.FORWARD_COLLECTIVES == {"all_reduce", "all_gather", "reduce_scatter",
                                        "all_gather_replicated"}
     for name, schema in want.items():
         assert str(getattr(torch.ops.tpcompile, name).default._schema) == schema

@@ -17,8 +17,8 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 import tpcompile
-from tpcompile import collectives
 from tpcompile.models import build
+from tpcompile.ops import collectives
 from tpcompile.runtime import launch
 
 TOL = 1e-5

@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as stock_dcp
+from dist_run import SMALL, results, small_inputs, small_model
 
 import tpcompile
 from tpcompile import dcp
 from tpcompile.models import GPT
-from dist_run import SMALL, results, small_inputs, small_model
 
 pytestmark = pytest.mark.gloo
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import tpcompile
-import tpcompile.rng
+import tpcompile.ops.rng
 from tpcompile.models import GPT, GPTConfig
 
 
@@ -36,7 +36,7 @@ def test_replicated_region_draws_one_mask() -> None:
     """Every rank drops the same elements of a replicated value, so their copies stay equal."""
     model = ReplicatedDropout().train()
     sm = tpcompile.shard(model, 4, example_inputs=(torch.randn(8, 16),))
-    tpcompile.rng.seed(1)
+    tpcompile.ops.rng.seed(1)
     outs = tpcompile.simulate(sm, torch.randn(64, 16))
     for o in outs[1:]:
         torch.testing.assert_close(o, outs[0], atol=0, rtol=0)
@@ -49,11 +49,11 @@ def test_sharded_region_draws_a_mask_per_rank_and_reseeds() -> None:
     model = ShardedDropout().train()
     sm = tpcompile.shard(model, 2, example_inputs=(torch.randn(8, 16),), plan={"up": "sharded_output"})
     x = torch.randn(32, 16)
-    tpcompile.rng.seed(7)
+    tpcompile.ops.rng.seed(7)
     first = tpcompile.simulate(sm, x)
-    tpcompile.rng.seed(7)
+    tpcompile.ops.rng.seed(7)
     again = tpcompile.simulate(sm, x)
-    tpcompile.rng.seed(8)
+    tpcompile.ops.rng.seed(8)
     other = tpcompile.simulate(sm, x)
     zeros = [(o == 0) for o in first]
     assert zeros[0].shape == zeros[1].shape == (32, 32)
@@ -97,7 +97,7 @@ def test_gpt_with_dropout_is_reproducible_and_trains() -> None:
             losses.append(loss.item())
         return losses
 
-    tpcompile.rng.seed(3)
+    tpcompile.ops.rng.seed(3)
     losses = tpcompile.simulate_ranks(2, train)
     assert losses[0] == losses[1]
     assert losses[0][-1] < losses[0][0] - 0.5

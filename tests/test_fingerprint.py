@@ -6,12 +6,12 @@ import operator
 
 import pytest
 import torch
+from dist_run import results
 
 import tpcompile
-from tpcompile import collectives as C
-from tpcompile.fingerprint import digest, first_difference, schedule
 from tpcompile.models import GPT, GPTConfig
-from dist_run import results
+from tpcompile.ops import collectives as C
+from tpcompile.runtime.startup_check import digest, first_difference, schedule
 
 
 def _schedules(cfg: GPTConfig, ws: int = 2) -> tuple[tpcompile.ShardedModel, list]:
@@ -44,7 +44,7 @@ def test_schedule_is_symbolic_and_is_what_runs(gpt: tuple) -> None:
     ran = [(e.op, e.shape) for e in events if e.rank == 0 and e.phase == "forward"]
     sizes = {"d0": 3, "d1": 5}
     planned = [(op, tuple(sizes.get(d, int(d) if d.isdigit() else d) for d in shape))
-               for op, shape, _, _ in s0 if op in C.FORWARD_COMMUNICATING]
+               for op, shape, _, _ in s0 if op in C.FORWARD_COLLECTIVES]
     assert ran == planned
 
 

@@ -11,10 +11,9 @@ import os
 import time
 
 import pytest
+from fuzz_models import FuzzConfig, describe_failure, fuzz_configs, run_case
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from fuzz_models import FuzzConfig, describe_failure, fuzz_configs, run_case
 
 # torch.export is most of a case's time, so each captured model is sharded at several world sizes:
 # every one of 1-8 in the short run, 5 distinct random ones in the long run (more models per minute).

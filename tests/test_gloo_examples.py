@@ -14,11 +14,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tpcompile
-from tpcompile import collectives
 from tpcompile.models import build
+from tpcompile.ops import collectives
 from tpcompile.passes.rewrite import local_tensor
-from tpcompile.runtime import DistBackend, launch
-from tpcompile.sharding_rules.context import ParamSlice
+from tpcompile.placement import ParamSlice
+from tpcompile.runtime import launch
+from tpcompile.runtime.backends import DistBackend
 
 pytestmark = pytest.mark.gloo
 

@@ -10,8 +10,8 @@ from tpcompile.runtime import launch
 
 
 def _child(rank: int) -> tuple[float, int]:
-    from tpcompile.collectives import record
     from tpcompile.models import build
+    from tpcompile.ops.collectives import record
 
     pg = dist.new_group([0, 1])
     model = build("gpt")

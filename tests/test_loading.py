@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from tpcompile.cli.model_spec import example_inputs_of, load_model
 from tpcompile.errors import TPCompileError
-from tpcompile.loading import example_inputs_of, load_model
 from tpcompile.models import GPT, MLPStack
 
 USER_FILE = '''

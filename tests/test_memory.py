@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_run import results
 
 pytestmark = pytest.mark.gloo

@@ -9,7 +9,7 @@ import torch
 import tpcompile
 from tpcompile.models import GPT, GPTConfig
 from tpcompile.passes.rewrite import local_tensor
-from tpcompile.sharding_rules.context import ParamSlice
+from tpcompile.placement import ParamSlice
 
 
 def _gpt(vocab: int) -> GPT:

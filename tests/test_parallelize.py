@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from dist_run import SMALL, results, small_inputs, small_model
 
 import tpcompile
 from tpcompile.models import GPT
 from tpcompile.runtime import init_from_env
-from dist_run import SMALL, results, small_inputs, small_model
 
 
 @pytest.mark.gloo

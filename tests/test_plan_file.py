@@ -8,7 +8,8 @@ import torch
 
 import tpcompile
 from tpcompile.models import build
-from tpcompile.plan_file import load_plan, parse_plan
+from tpcompile.overrides import load_overrides as load_plan
+from tpcompile.overrides import parse_overrides as parse_plan
 
 
 def _write(tmp_path: Path, text: str) -> Path:

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tpcompile import collectives as C
 from tpcompile.errors import TPCompileError
+from tpcompile.ops import collectives as C
 from tpcompile.runtime import DEFAULT_TIMEOUT_S, collective_timeout, free_port, init_from_env, launch
 
 pytestmark = pytest.mark.gloo

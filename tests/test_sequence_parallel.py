@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import tpcompile
-from tpcompile.collectives import record
 from tpcompile.models import build
+from tpcompile.ops.collectives import record
 
 GPTS = ["gpt", "gpt-manual", "gpt-sep"]
 
@@ -147,7 +147,8 @@ def test_sp_saves_activation_memory(capsys: pytest.CaptureFixture) -> None:
 def test_sp_llama_trains_like_the_original(ws: int) -> None:
     """Hugging Face Llama with sequence parallelism: same logits, and 5 AdamW steps give the same losses."""
     pytest.importorskip("transformers")
-    from hf_models import ARCHS, build as build_hf
+    from hf_models import ARCHS
+    from hf_models import build as build_hf
 
     arch = next(a for a in ARCHS if a.name == "llama")
     model = build_hf(arch).train()

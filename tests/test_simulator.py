@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from tpcompile import collectives as C
 from tpcompile.errors import TPCompileError
-from tpcompile.simulator import simulate, simulate_ranks
+from tpcompile.ops import collectives as C
+from tpcompile.runtime.simulator import simulate, simulate_ranks
 
 
 class MLP(nn.Module):

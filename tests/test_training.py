@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import tpcompile
-from tpcompile import collectives
 from tpcompile.models import build
+from tpcompile.ops import collectives
 from tpcompile.passes.rewrite import local_tensor
 
 STEPS = 5

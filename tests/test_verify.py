@@ -9,9 +9,11 @@ import torch
 
 import tpcompile
 from tpcompile.models import build
-from tpcompile.passes.context import PassContext
-from tpcompile.passes.verify import check_tiling, collective_signature, verify_pass, verify_rank
-from tpcompile.sharding_rules.context import ParamSlice
+from tpcompile.ops.schedule import graph_schedule as collective_signature
+from tpcompile.passes.pass_context import PassContext
+from tpcompile.passes.verify_plan import check_tiling, verify_pass
+from tpcompile.passes.verify_ranks import verify_rank
+from tpcompile.placement import ParamSlice
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,7 @@ def test_clean_ranks_pass_and_equal_the_original(gpt_sharded: tuple) -> None:
     reference = collective_signature(sm.rank(0))
     for r in range(2):
         verify_rank(sm.rank(r), reference, r, _param_shapes(sm))
-    assert [e[0] for e in reference].count("tpcompile::all_reduce") == 2 * 2 + 1  # 2 per block, 1 embedding
+    assert [call.op for call, _ in reference].count("all_reduce") == 2 * 2 + 1  # 2 per block, 1 embedding
     for out in outs:
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -45,7 +47,7 @@ def test_clean_ranks_pass_and_equal_the_original(gpt_sharded: tuple) -> None:
 def test_collective_shapes_are_expressions(gpt_sharded: tuple) -> None:
     """Each collective carries its input's per-rank shape with the batch and length symbolic."""
     sm, _, _ = gpt_sharded
-    shapes = [e[2] for e in collective_signature(sm.rank(0))]
+    shapes = [call.shape for call, _ in collective_signature(sm.rank(0))]
     assert all(s is not None for s in shapes)
     assert shapes[0][-1] == "64" and not shapes[0][0].isdigit() and not shapes[0][1].isdigit()
     assert shapes[-1][-1] == "128"  # the vocabulary-split logits gathered at the end: 256 / 2
@@ -60,7 +62,7 @@ def test_collective_removed_on_one_rank_is_caught(gpt_sharded: tuple) -> None:
     victim.replace_all_uses_with(victim.args[0])
     gm.graph.erase_node(victim)
     gm.recompile()
-    k = [e[3].name for e in reference].index(victim.name)
+    k = [node.name for _, node in reference].index(victim.name)
     with pytest.raises(tpcompile.TPCompileError, match=rf"collective #{k} differs between ranks: rank 1 issues "
                                                       rf".*rank 0 issues tpcompile::all_reduce.*{victim.name}"):
         verify_rank(gm, reference, 1, _param_shapes(sm))
@@ -116,7 +118,7 @@ def test_malformed_graph_is_caught(gpt_sharded: tuple) -> None:
     ((10, 4), ParamSlice(0, segments=(6, 6)), r"split size 10 \(segments \(6, 6\)\) does not match"),
     ((10, 4), ParamSlice(0, padded=8), r"split size 8 .* does not match its dim 0 of size 10"),
     ((10, 4), ParamSlice(2), r"split on dim 2, which it does not have"),
-    ((10, 4), ParamSlice(1, groups=3), r"cannot be cut into 3 equal pieces for world size 2"),
+    ((10, 4), ParamSlice(1, pieces=3), r"cannot be cut into 3 equal pieces for world size 2"),
     ((9, 4), ParamSlice(0), r"dim 0 of size 9 .* cannot be cut into 2 equal pieces"),
 ])
 def test_out_of_bounds_or_untiled_slices_are_caught(shape: tuple, sl: ParamSlice, why: str) -> None:
@@ -155,7 +157,7 @@ def test_a_process_building_one_rank_compares_with_rank_0() -> None:
     sm = tpcompile.shard(build("mlp"), 2)
     sm.rank(1)
     assert 0 not in sm._ranks and sm._reference  # rank 0's graph was emitted without its weights
-    assert [e[:3] for e in sm._reference] == [e[:3] for e in collective_signature(sm.rank(0))]
+    assert [call for call, _ in sm._reference] == [call for call, _ in collective_signature(sm.rank(0))]
     x = torch.randn(3, 64)
     with torch.no_grad():
         torch.testing.assert_close(tpcompile.simulate(sm, x)[1], build("mlp")(x), atol=1e-5, rtol=1e-5)

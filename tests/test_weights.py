@@ -9,10 +9,9 @@ import torch
 from safetensors.torch import save_model
 
 import tpcompile
+from tpcompile.checkpoint.weights import load_rank_weights
 from tpcompile.models import GPT, GPTConfig
-from tpcompile.sharding_rules.context import ParamSlice
-from tpcompile.placement import rank_pieces
-from tpcompile.weights import load_rank_weights
+from tpcompile.placement import ParamSlice, rank_pieces
 
 CFG = GPTConfig(attention="manual", vocab_size=250)
 

@@ -1,9 +1,8 @@
 """tpcompile: automatic tensor parallelism for PyTorch models, one sharded fx graph per rank."""
 from tpcompile.api import ShardedModel, shard
-from tpcompile.errors import TPCompileError
-from tpcompile.parallelize import parallelize
-from tpcompile.passes.propagate import TPCompileWarning
-from tpcompile.simulator import simulate, simulate_ranks
+from tpcompile.errors import TPCompileError, TPCompileWarning
+from tpcompile.runtime.parallelize import parallelize
+from tpcompile.runtime.simulator import simulate, simulate_ranks
 
 __all__ = ["shard", "parallelize", "ShardedModel", "simulate", "simulate_ranks", "TPCompileError",
            "TPCompileWarning"]

@@ -1,4 +1,8 @@
-"""Placements: how a value is laid out across ranks (DTensor's vocabulary plus segments).
+"""Placements and slices: how a value is laid out across ranks, and which part of it each rank holds.
+
+Placements follow DTensor's vocabulary (Replicate, Shard) with extra fields for the layouts
+real models produce; a ParamSlice says how a parameter is cut. Every piece of slice
+arithmetic (which runs a rank holds, local shapes) lives here.
 
 `Shard` carries optional `segments`: the sharded dimension is a concatenation of segments
 (for example a fused q|k|v projection of sizes (C, C, C)) and every segment is split evenly
@@ -20,6 +24,16 @@ class Replicate:
 
 
 @dataclass(frozen=True)
+class ParamSlice:
+    """How a parameter is cut: along `dim`, per segment when segmented."""
+
+    dim: int
+    segments: Optional[tuple[int, ...]] = None
+    padded: Optional[int] = None  # cut as if zero-padded to this size
+    pieces: Optional[int] = None  # cut into this many pieces, each held by world_size/pieces ranks
+
+
+@dataclass(frozen=True)
 class Shard:
     """Each rank holds 1/world_size of dimension `dim` (of every segment, when segmented)."""
 
@@ -28,32 +42,24 @@ class Shard:
     seq: bool = False  # sequence parallel: tokens split outside the tensor-parallel regions
     padded: Optional[int] = None  # size rounded up to a multiple of the world size (zeros past the end)
     outer: Optional[object] = None  # the dim is `outer` repetitions of the split blocks (batch x heads)
-    groups: Optional[int] = None  # only this many distinct pieces; ranks r*groups//ws share piece
-    split_next: Optional[int] = None  # with groups: dim+1 is split this many ways within a piece
+    pieces: Optional[int] = None  # only this many distinct pieces; ranks r*pieces//ws share a piece
+    split_next: Optional[int] = None  # with pieces: dim+1 is split this many ways within a piece
 
     def __str__(self) -> str:
         seg = "" if self.segments is None else f"|{'+'.join(map(str, self.segments))}"
         pad = "" if self.padded is None else f"~{self.padded}"
         out = "" if self.outer is None else f"x{self.outer}"
-        grp = "" if self.groups is None else f"/{self.groups}" + ("" if self.split_next is None else f"+{self.split_next}")
+        grp = "" if self.pieces is None else f"/{self.pieces}" + ("" if self.split_next is None else f"+{self.split_next}")
         return f"S({self.dim}{seg}{pad}{out}{grp}){'seq' if self.seq else ''}"
 
     @property
     def plain(self) -> bool:
         """True when the dimension is one segment split evenly, without padding."""
         return ((self.segments is None or len(self.segments) == 1) and self.padded is None
-                and self.outer is None and self.groups is None)
+                and self.outer is None and self.pieces is None)
 
 
-@dataclass(frozen=True)
-class Partial:
-    """Each rank holds a summand; the value is the sum over ranks."""
-
-    def __str__(self) -> str:
-        return "P"
-
-
-Placement = Union[Replicate, Shard, Partial]
+Placement = Union[Replicate, Shard]
 REPLICATE = Replicate()
 
 
@@ -81,12 +87,12 @@ def padded_size(size: int, world_size: int) -> int:
 def rank_pieces(sl: Any, full: int, rank: int, world_size: int) -> list[tuple[int, int, int]]:
     """(global start, local start, length) of each run along sl.dim of a cut parameter that `rank` holds.
 
-    `sl` is a ParamSlice (dim, segments, padded, groups); padding is left out, so the local
+    `sl` is a ParamSlice (dim, segments, padded, pieces); padding is left out, so the local
     positions past the last run are the zero padding.
     """
-    if sl.groups:  # one of `groups` pieces, shared by world_size/groups ranks
-        size = full // sl.groups
-        return [(rank // (world_size // sl.groups) * size, 0, size)]
+    if sl.pieces:  # one of `pieces` pieces, shared by world_size/pieces ranks
+        size = full // sl.pieces
+        return [(rank // (world_size // sl.pieces) * size, 0, size)]
     out, local = [], 0
     for a, b in segment_ranges(sl.padded or full, sl.segments, rank, world_size):
         n = min(b, full) - a
@@ -101,7 +107,7 @@ def slice_shape(shape: Sequence[int], sl: Any, world_size: int) -> tuple[int, ..
     if sl is None:
         return tuple(shape)
     out = list(shape)
-    out[sl.dim] = shape[sl.dim] // sl.groups if sl.groups else (sl.padded or shape[sl.dim]) // world_size
+    out[sl.dim] = shape[sl.dim] // sl.pieces if sl.pieces else (sl.padded or shape[sl.dim]) // world_size
     return tuple(out)
 
 
@@ -116,3 +122,27 @@ def segment_ranges(size: int, segments: Optional[Sequence[int]], rank: int, worl
         ranges.append((offset + rank * piece, offset + (rank + 1) * piece))
         offset += s
     return ranges
+
+
+def local_shape(shape: Sequence[Any], p: Any, rank: int, world_size: int) -> tuple:
+    """The shape rank `rank` holds of a value of global `shape` placed as `p` (sizes may be symbolic)."""
+    out = list(shape)
+    if not isinstance(p, Shard) or p.dim >= len(out):
+        return tuple(out)
+    size = out[p.dim]
+    if p.pieces:
+        out[p.dim] = size // p.pieces
+        if p.split_next and p.dim + 1 < len(out):
+            out[p.dim + 1] = out[p.dim + 1] // p.split_next
+    elif p.padded:
+        out[p.dim] = p.padded // world_size
+    elif p.segments and isinstance(size, int):
+        out[p.dim] = sum(b - a for a, b in segment_ranges(size, p.segments, rank, world_size))
+    else:
+        out[p.dim] = size // world_size
+    return tuple(out)
+
+
+def shape_key(shape: Sequence[Any]) -> tuple[str, ...]:
+    """A shape as expressions ('s0', 's1//2', '64'), so symbolic sizes compare as expressions."""
+    return tuple(str(s) for s in shape)

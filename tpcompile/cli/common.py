@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import io
 import math
 import shutil
@@ -18,9 +17,9 @@ from rich.console import Console
 from torch import nn
 
 from tpcompile.cli.inputs import SPEC_HELP, describe_inputs, inputs_from_specs, parse_input_spec
+from tpcompile.cli.model_spec import ACCEPTED_FORMS, load_model
 from tpcompile.cli.progress import note, step
 from tpcompile.errors import TPCompileError
-from tpcompile.loading import ACCEPTED_FORMS, load_model
 
 CAPTURE_SEED = 0
 
@@ -64,11 +63,6 @@ def parse_config(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def has_plan_files() -> bool:
-    """Whether tpcompile.plan_file (YAML plans) is part of this installation."""
-    return importlib.util.find_spec("tpcompile.plan_file") is not None
-
-
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """MODEL and the flags every model subcommand takes."""
     p.add_argument("model", metavar="MODEL", help=ACCEPTED_FORMS)
@@ -79,9 +73,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="override a size or switch of an hf: or bundled model, or pass an argument to a "
                         "class or factory (repeatable)")
     p.add_argument("--sequence-parallel", action="store_true", help="shard with sequence_parallel=True")
-    if has_plan_files():
-        p.add_argument("--plan", metavar="FILE", default=None,
-                       help="a YAML plan file (module path -> replicate | sharded_output | auto)")
+    p.add_argument("--plan", metavar="FILE", default=None,
+                   help="a YAML plan file (module path -> replicate | sharded_output | auto)")
 
 
 @dataclass
@@ -119,8 +112,8 @@ def shard(ns: argparse.Namespace, loaded: Loaded) -> Any:
 
     plan = None
     if getattr(ns, "plan", None):
-        from tpcompile.plan_file import load_plan
-        plan = load_plan(ns.plan)
+        from tpcompile.overrides import load_overrides
+        plan = load_overrides(ns.plan)
     with step(f"capturing {loaded.name} and sharding it across {ns.world_size} ranks"):
         with warnings.catch_warnings(record=True) as caught, quiet_stderr(not ns.debug):
             warnings.simplefilter("always", tpcompile.TPCompileWarning)

@@ -13,7 +13,8 @@ import torch
 
 import tpcompile
 from tpcompile.cli.common import max_abs_diff, parse_config, world_size
-from tpcompile.loading import load_model
+from tpcompile.cli.model_spec import load_model
+from tpcompile.report.units import format_bytes
 
 DEMO_TOLERANCE = 1e-5
 
@@ -54,7 +55,7 @@ def _threads_per_rank(world_size: int) -> int:
 def _demo_rank(rank: int, spec: str, config: dict, state: dict, args: tuple, kwargs: dict, world_size: int,
                repeats: int) -> dict[str, Any]:
     """Child process body: rebuild the model with the parent's weights, shard it, run this rank, report."""
-    from tpcompile.collectives import FORWARD_COMMUNICATING, record
+    from tpcompile.ops.collectives import FORWARD_COLLECTIVES, record
 
     torch.set_num_threads(_threads_per_rank(world_size))
     model, _, _ = load_model(spec, config)
@@ -66,18 +67,9 @@ def _demo_rank(rank: int, spec: str, config: dict, state: dict, args: tuple, kwa
             output = gm(*args, **kwargs)
         ms = median_ms(lambda: gm(*args, **kwargs), repeats)
     # Only ops that exchange data in forward move bytes; the others are backward markers.
-    collectives = [(e.op, e.phase, int(e.nbytes) if e.op in FORWARD_COMMUNICATING else 0, tuple(e.shape))
+    collectives = [(e.op, e.phase, int(e.nbytes) if e.op in FORWARD_COLLECTIVES else 0, tuple(e.shape))
                    for e in events]
     return {"rank": rank, "output": output, "ms": ms, "collectives": collectives}
-
-
-def _format_bytes(n: float) -> str:
-    """Bytes in B, KiB or MiB."""
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024 or unit == "MiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} MiB"
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -114,7 +106,7 @@ def run(ns: argparse.Namespace) -> int:
         listed = ", ".join(f"{k} x{v}" for k, v in counts.items()) or "none"
         print(f"  rank {res['rank']}: forward {res['ms']:.3f} ms ({res['ms'] / base_ms:.2f}x unsharded), "
               f"max |diff| {diff:.2e}")
-        print(f"    collectives: {len(res['collectives'])}, {_format_bytes(nbytes)} moved: {listed}")
+        print(f"    collectives: {len(res['collectives'])}, {format_bytes(nbytes)} moved: {listed}")
     if results and min(r["ms"] for r in results) > base_ms:
         print("  (small models: a rank's time is mostly the latency of its collectives)")
     if worst > DEMO_TOLERANCE:

@@ -9,8 +9,8 @@ from typing import NoReturn
 
 from tpcompile.cli import demo, diff, dump, plan, verify
 from tpcompile.cli.common import one_line
+from tpcompile.cli.model_spec import ACCEPTED_FORMS
 from tpcompile.errors import TPCompileError
-from tpcompile.loading import ACCEPTED_FORMS
 
 EXIT_ERROR = 2  # usage and user errors; 1 is a verification mismatch
 

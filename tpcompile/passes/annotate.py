@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from tpcompile.passes.context import PassContext, module_path, owner_path
+from tpcompile.passes.pass_context import PassContext, module_path, owner_path
 from tpcompile.sharding_rules import RuleSpec, lookup
 
 _SPLITS = {"split", "unbind"}

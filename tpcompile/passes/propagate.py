@@ -1,10 +1,16 @@
 """Propagate pass: a placement for every node, column/row/vocab roles for the weight ops.
 
 Every weight matmul fed a replicated value starts as a column split, every one fed a value
-sharded on its contracted dim becomes a row split. When a sharded value reaches an op that
-cannot take it (a norm over the sharded dim, a head count the world size does not divide,
-an op with no rule), the splits it came from (its origins) are replicated instead and the
-pass runs again. Replications only grow, so this ends after at most one round per seed.
+sharded on its contracted dim becomes a row split. A round is one `Sweep` over the graph in
+order. When a sharded value reaches an op that cannot take it (a norm over the sharded dim, a
+head count the world size does not divide, an op with no rule), the sweep *blames* the splits
+it came from (its origins): the next round *demotes* them (replicates them), or *regroups* them
+into fewer pieces than ranks when that is what the op needs. The words are defined once in
+docs/architecture.md ("How propagation decides").
+
+Bound: each round but the last demotes or regroups at least one seed, a seed is demoted at
+most once and regrouped at most once, so there are at most 2 * seeds + 1 rounds; reaching
+that is a compiler bug and raises.
 """
 from __future__ import annotations
 
@@ -17,21 +23,17 @@ from typing import Any, Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from tpcompile.errors import TPCompileError
-from tpcompile.passes.context import PassContext, describe, internal_error
-from tpcompile.placement import REPLICATE, Replicate, Shard, is_seq
-from tpcompile.sharding_rules.context import ParamSlice, Result, RuleContext, Want
-from tpcompile.sharding_rules.rules import apply_rule
-
+from tpcompile.errors import TPCompileError, TPCompileWarning
+from tpcompile.passes.pass_context import PassContext, describe, internal_error
+from tpcompile.placement import REPLICATE, ParamSlice, Replicate, Shard, is_seq
+from tpcompile.sharding_rules.registry import apply_rule
+from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want
 
 log = logging.getLogger("tpcompile")
 
-
-class TPCompileWarning(UserWarning):
-    """A part of the model is replicated instead of split; numerics are unaffected."""
-
-
-SEED_ROLES = ("column", "vocab")
+SEED_RULES = ("weight_matmul", "embedding")  # the ops that hold the weights a split starts from
+SEED_ROLES = ("column", "vocab")  # the roles that start a split (a row split ends one)
+_INPUT_LIKE = ("reshape", "pointwise", "expand")  # ops that keep a model input a model input
 
 
 @dataclass
@@ -48,22 +50,27 @@ def propagate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Write node.meta['tp_placement'] and ['tp_layout'], replicating regions that cannot be split."""
     seeds = [n for n in gm.graph.nodes if seed_path(n) is not None]
     for n in seeds:
-        if ctx.plan_for(seed_path(n)) == "replicate":
+        if ctx.override_for(seed_path(n)) == "replicate":
             ctx.demoted[n] = "replicated by the plan"
-    for ctx.iterations in range(1, 2 * len(seeds) + 2):  # each round regroups or replicates a seed
-        conflicts, regroups = _run_once(gm, ctx)
-        log.info("propagate round %d: %d conflicts", ctx.iterations, len(conflicts))
-        fresh = {o: why for origins, why in conflicts for o in origins if o not in ctx.demoted}
-        regrouped = {o: n for origins, n in regroups for o in origins if o not in ctx.groups}
-        ctx.groups.update(regrouped)
+    bound = 2 * len(seeds) + 1
+    for ctx.iterations in range(1, bound + 1):
+        sweep = Sweep(gm, ctx)
+        sweep.run()
+        log.info("propagate round %d: %d conflicts", ctx.iterations, len(sweep.conflicts))
+        fresh = {o: why for origins, why in sweep.conflicts for o in origins if o not in ctx.demoted}
+        regrouped = {o: n for origins, n in sweep.regroups for o in origins if o not in ctx.pieces}
+        ctx.pieces.update(regrouped)
         if not fresh and not regrouped:
-            if conflicts:
+            if sweep.conflicts:
                 raise TPCompileError(
-                    "cannot place these ops on split inputs: " + "; ".join(why for _, why in conflicts)
+                    "cannot place these ops on split inputs: " + "; ".join(why for _, why in sweep.conflicts)
                     + ". Replicate the modules involved with plan={'module.path': 'replicate'}"
                     + (" or shard without sequence_parallel" if ctx.sequence_parallel else ""))
             break
         ctx.demoted.update(fresh)
+    else:
+        raise TPCompileError(f"propagate did not settle in {bound} rounds for {len(seeds)} weight ops; this is a "
+                             f"tpcompile bug, please report it with the model")
     _warn(ctx)
     return gm
 
@@ -71,103 +78,134 @@ def propagate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
 def seed_path(node: Node) -> Optional[str]:
     """The module path of a weight op (matmul with a parameter, embedding), else None."""
     spec = node.meta.get("tp_rule")
-    if node.op != "call_function" or spec is None or spec.rule not in ("weight_matmul", "embedding"):
+    if node.op != "call_function" or spec is None or spec.rule not in SEED_RULES:
         return None
     return spec.get("owner")  # written by annotate
 
 
-def _run_once(gm: GraphModule, ctx: PassContext) -> tuple[list, list]:
-    """One forward sweep: (origins, reason) for every conflict, (origins, pieces) to regroup."""
-    origins: dict[Node, frozenset] = {}
-    grad: dict[Node, bool] = {}
-    requests: dict[str, dict[Optional[ParamSlice], set]] = {}
-    conflicts: list[tuple[frozenset, str]] = []
-    regroups: list[tuple[frozenset, int]] = []
-    tainted: set[Node] = set()
-    # Seeds this sweep has already blamed: the next round replicates them, so a value split only
-    # by them is replicated there too, and the rest of this sweep reads it that way. Otherwise
-    # their splits travel on (along a residual stream, say) and later ops blame seeds that are fine.
-    doomed: set[Node] = set()
+class Sweep:
+    """One round: every node's placement in graph order, and what the next round must change.
 
-    def placement(n: Any) -> Any:
+    After `run()`, `conflicts` holds (blamed origins, reason) and `regroups` (origins, pieces);
+    ctx.param_slices holds how each parameter is cut this round.
+    """
+
+    def __init__(self, gm: GraphModule, ctx: PassContext) -> None:
+        self.gm, self.ctx = gm, ctx
+        self.origins: dict[Node, frozenset] = {}  # sharded value -> the seeds whose splits it carries
+        self.grad: dict[Node, bool] = {}
+        self.requests: dict[str, dict[Optional[ParamSlice], set]] = {}  # parameter -> slice -> users
+        self.conflicts: list[tuple[frozenset, str]] = []
+        self.regroups: list[tuple[frozenset, int]] = []
+        self.tainted: set[Node] = set()  # downstream of a conflict whose guess may be wrong
+        # Seeds this sweep has already blamed: the next round replicates them, so a value split only
+        # by them is replicated there too, and the rest of this sweep reads it that way. Otherwise
+        # their splits travel on (along a residual stream, say) and later ops blame seeds that are fine.
+        self.doomed: set[Node] = set()
+        self.rules = RuleContext(
+            world_size=ctx.world_size, placement=self.placement, requires_grad=lambda n: self.grad.get(n, False),
+            param=self.param, is_user_input=_is_user_input, demoted=lambda n: n in ctx.demoted,
+            segment_hint=lambda n: n.meta["tp_rule"].get("segments"),
+            sequence_parallel=ctx.sequence_parallel, pieces_of=ctx.pieces.get)
+
+    def run(self) -> None:
+        """Visit every node in order, then settle each parameter's slice."""
+        for node in self.gm.graph.nodes:
+            self.grad[node] = _requires_grad(node, self.ctx, self.grad)
+            if node.op == "output":
+                self.conflicts += _output(node, self.placement, self.sources(node), self.ctx)
+            elif node.op != "call_function":
+                node.meta["tp_placement"] = REPLICATE
+                node.meta["tp_layout"] = Layout()
+            else:
+                self.visit(node)
+        self.settle_parameters()
+
+    def placement(self, n: Any) -> Any:
+        """A node's placement so far; a value split only by doomed seeds reads as replicated."""
         if not isinstance(n, Node):
             return REPLICATE
         p = n.meta.get("tp_placement", REPLICATE)
-        return _replicated_like(p) if doomed and n in origins and origins[n] <= doomed else p
+        return _replicated_like(p) if self.doomed and n in self.origins and self.origins[n] <= self.doomed else p
 
-    def param(n: Any) -> Optional[torch.Tensor]:
+    def param(self, n: Any) -> Optional[torch.Tensor]:
+        """The parameter a get_attr node reads, else None."""
         if isinstance(n, Node) and n.op == "get_attr":
-            t = ctx.tensors.get(n.target)
+            t = self.ctx.tensors.get(n.target)
             return t if isinstance(t, torch.nn.Parameter) else None
         return None
 
-    rctx = RuleContext(ctx.world_size, placement, lambda n: grad.get(n, False), param,
-                       _is_user_input, lambda n: n in ctx.demoted,
-                       lambda n: n.meta["tp_rule"].get("segments"))
-    rctx.sequence_parallel = ctx.sequence_parallel
-    rctx.groups_of = ctx.groups.get
-    for node in gm.graph.nodes:
-        inputs = node.all_input_nodes
-        src = frozenset().union(*(origins.get(i, frozenset()) for i in inputs if _sharded(placement(i))))
-        grad[node] = _requires_grad(node, ctx, grad)
-        if node.op == "output":
-            conflicts += _output(node, placement, src, ctx)
-            continue
-        if node.op != "call_function":
-            node.meta["tp_placement"] = REPLICATE
-            node.meta["tp_layout"] = Layout()
-            continue
+    def sources(self, node: Node) -> frozenset:
+        """The origins of the node's sharded inputs."""
+        return frozenset().union(*(self.origins.get(i, frozenset()) for i in node.all_input_nodes
+                                   if _sharded(self.placement(i))))
+
+    def visit(self, node: Node) -> None:
+        """Ask the op's rule, judge any conflict, record the result."""
+        src = self.sources(node)  # before judging: blaming dooms seeds, which changes what inputs read as
         try:
-            res = _result(node, rctx, placement)
+            res = _result(node, self.rules, self.placement)
         except Exception as e:  # a rule bug: name the node and pass, keep the cause
             raise internal_error("propagate", node, e) from e
+        self.record(node, self.judge(node, res, src), src)
+
+    def judge(self, node: Node, res: Result, src: frozenset) -> Result:
+        """Blame the origins of a conflict (or ask to regroup them); a conflicted op reads as replicated."""
+        inputs = node.all_input_nodes
         why, blame = res.conflict, res.blame
         if why is None:
-            why, blame = _check_wants(res, placement)
-        if why and any(is_seq(placement(i)) for i in inputs):
-            res, why, blame = _gathering_seq(node, rctx, placement, res, why, blame)
+            why, blame = _check_wants(res, self.placement)
+        if why and any(is_seq(self.placement(i)) for i in inputs):
+            res, why, blame = _gathering_seq(node, self.rules, self.placement, res, why, blame)
         # A conflicted op is taken as replicated for the rest of the sweep. That guess is what
         # the next round computes when every origin of its inputs is replicated; when only some
         # are (or they are regrouped), what follows it is a guess, judged in the next round.
-        downstream = any(i in tainted for i in inputs)
+        downstream = any(i in self.tainted for i in inputs)
         if res.demote_self and not downstream:
-            conflicts.append((frozenset([node]), f"{describe(node)}: {res.demote_self}"))
-            doomed.add(node)
+            self.conflicts.append((frozenset([node]), f"{describe(node)}: {res.demote_self}"))
+            self.doomed.add(node)
         if downstream:
-            tainted.add(node)
+            self.tainted.add(node)
         if why and not downstream:
-            blamed = frozenset().union(*(origins.get(b, frozenset()) for b in blame)) if blame else src
-            if res.regroup and blamed and not any(o in ctx.groups for o in blamed):
-                regroups.append((blamed, res.regroup))  # split into fewer pieces instead
-                tainted.add(node)
+            blamed = frozenset().union(*(self.origins.get(b, frozenset()) for b in blame)) if blame else src
+            if res.regroup and blamed and not any(o in self.ctx.pieces for o in blamed):
+                self.regroups.append((blamed, res.regroup))  # split into fewer pieces instead
+                self.tainted.add(node)
             else:
-                conflicts.append((blamed or src, f"{describe(node)}: {why}"))
-                doomed.update(blamed or src)
+                self.conflicts.append((blamed or src, f"{describe(node)}: {why}"))
+                self.doomed.update(blamed or src)
                 if (blamed or src) != src:
-                    tainted.add(node)
+                    self.tainted.add(node)
         if why:
             res = Result(_replicated_like(res.out), [Want(w.node, REPLICATE) for w in res.wants])
+        return res
+
+    def record(self, node: Node, res: Result, src: frozenset) -> None:
+        """Write the node's placement and layout; note its parameter uses and its origins."""
         for p, sl in res.params.items():
-            requests.setdefault(p.target, {}).setdefault(sl, set()).add(node)
+            self.requests.setdefault(p.target, {}).setdefault(sl, set()).add(node)
         node.meta["tp_placement"] = res.out
         node.meta["tp_layout"] = Layout(res.role, res.wants, res.localize)
         if _sharded(res.out) and not is_seq(res.out):
-            origins[node] = src | (frozenset([node]) if res.role in SEED_ROLES else frozenset())
-    ctx.param_slices = {}
-    for target, by_slice in requests.items():
-        if len(by_slice) > 1:
-            users = frozenset().union(*(s for sl, s in by_slice.items() if sl is not None))
-            conflicts.append((users, f"parameter {target} is used both split and whole"))
-        ctx.param_slices[target] = next(iter(by_slice)) if len(by_slice) == 1 else None
-    return conflicts, regroups
+            self.origins[node] = src | (frozenset([node]) if res.role in SEED_ROLES else frozenset())
+
+    def settle_parameters(self) -> None:
+        """One slice per parameter; a parameter used both split and whole blames its split users."""
+        self.ctx.param_slices = {}
+        for target, by_slice in self.requests.items():
+            if len(by_slice) > 1:
+                users = frozenset().union(*(s for sl, s in by_slice.items() if sl is not None))
+                self.conflicts.append((users, f"parameter {target} is used both split and whole"))
+            self.ctx.param_slices[target] = next(iter(by_slice)) if len(by_slice) == 1 else None
 
 
-def _gathering_seq(node: Node, rctx: RuleContext, placement: Any, res: Result, why: str, blame: Any) -> tuple:
+def _gathering_seq(node: Node, rules: RuleContext, placement: Any, res: Result, why: str, blame: Any) -> tuple:
     """Retry an op that cannot take token-split inputs with those inputs gathered first."""
     gathered = {i for i in node.all_input_nodes if is_seq(placement(i))}
+
     def view(n: Any) -> Any:
         return REPLICATE if n in gathered else placement(n)
-    retry = _result(node, rctx.seeing(view), view)
+    retry = _result(node, rules.seeing(view), view)
     again = retry.conflict or _check_wants(retry, view)[0]
     return (res, why, blame) if again else (retry, None, None)
 
@@ -183,7 +221,7 @@ def _is_user_input(node: Node) -> bool:
         if node.op == "placeholder":
             return True
         spec = node.meta.get("tp_rule")
-        if node.op != "call_function" or spec is None or spec.rule not in ("reshape", "pointwise", "expand"):
+        if node.op != "call_function" or spec is None or spec.rule not in _INPUT_LIKE:
             return False
         if not isinstance(node.args[0], Node):
             return False
@@ -191,17 +229,18 @@ def _is_user_input(node: Node) -> bool:
     return False
 
 
-def _result(node: Node, rctx: RuleContext, placement: Any) -> Result:
+def _result(node: Node, rules: RuleContext, placement: Any) -> Result:
+    """The rule's answer for a node; an op with no rule is replicated, a conflict if an input is split."""
     spec = node.meta.get("tp_rule")
     if spec is not None:
-        return apply_rule(node, spec, rctx)
-    tensors = [i for i in node.all_input_nodes if rctx.is_tensor(i)]
+        return apply_rule(node, spec, rules)
+    tensors = [i for i in node.all_input_nodes if rules.is_tensor(i)]
     if node.target is operator.getitem:
         p = placement(node.args[0])
         out = p[node.args[1]] if isinstance(p, tuple) else REPLICATE
         return Result(out, [])
     res = Result(REPLICATE, [Want(i, REPLICATE) for i in tensors])
-    if not rctx.all_replicated(tensors):
+    if not rules.all_replicated(tensors):
         res.conflict = "no sharding rule for this op (add a row to sharding_rules/ops.yaml)"
     if node.target is torch.ops.aten.sym_size.int and isinstance(placement(node.args[0]), Shard):
         res.conflict = None if placement(node.args[0]).dim != node.args[1] else "size of a sharded dim"
@@ -228,15 +267,15 @@ def _replicated_like(out: Any) -> Any:
 
 def _output(node: Node, placement: Any, src: frozenset, ctx: PassContext) -> list:
     """Sharded results are gathered once at the end (or left sharded when the plan says so)."""
-    keep = bool(src) and all(ctx.plan_for(seed_path(o) or "") == "sharded_output" for o in src)
+    keep = bool(src) and all(ctx.override_for(seed_path(o) or "") == "sharded_output" for o in src)
     node.meta["tp_layout"] = Layout("output", [], gather_output=not keep)
     node.meta["tp_placement"] = REPLICATE
     for n in node.all_input_nodes:
         p = placement(n)
         if isinstance(p, Shard) and (p.segments is not None and len(p.segments) > 1 or p.outer is not None):
             return [(src, f"output {n.name} is split in segments {p.segments}; cannot gather it in order")]
-        if isinstance(p, Shard) and p.groups is not None:
-            return [(src, f"output {n.name} is {p.groups} pieces shared among {ctx.world_size} ranks; "
+        if isinstance(p, Shard) and p.pieces is not None:
+            return [(src, f"output {n.name} is {p.pieces} pieces shared among {ctx.world_size} ranks; "
                           f"a gather would repeat them")]
     return []
 

@@ -1,21 +1,19 @@
 """Rewrite pass: one rank's graph, with local shape literals, sliced weights and collectives."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
-
 import operator
+from typing import Any, Callable, Optional
 
 import torch
 from torch import fx, nn
 from torch.fx import GraphModule, Node
 
-import tpcompile.collectives  # noqa: F401  (registers torch.ops.tpcompile.*)
-import tpcompile.piece_grads  # noqa: F401  (registers torch.ops.tpcompile.grad_piece_all_reduce)
-from tpcompile.passes.context import PassContext, internal_error
+import tpcompile.ops  # noqa: F401  (registers torch.ops.tpcompile.* and tpcompile_rng.*)
+from tpcompile.ops.schedule import collective_name
+from tpcompile.passes.pass_context import PassContext, internal_error
 from tpcompile.passes.rewrite_dropout import emit_dropout, emit_sdpa_with_dropout, is_live_dropout, sdpa_dropout
-from tpcompile.passes.verify import local_shape, shape_key
-from tpcompile.placement import Replicate, Shard, is_seq, rank_pieces, slice_shape
-from tpcompile.sharding_rules.context import Want
+from tpcompile.placement import Replicate, Shard, is_seq, local_shape, rank_pieces, shape_key, slice_shape
+from tpcompile.sharding_rules.rule_context import Want
 
 aten = torch.ops.aten
 tp = torch.ops.tpcompile
@@ -36,7 +34,7 @@ class _Emitter:
     def call(self, target: Any, *args: Any, **kwargs: Any) -> Node:
         node = self.graph.call_function(target, args, kwargs)
         node.meta = {k: v for k, v in self.current.meta.items() if k in ("nn_module_stack", "stack_trace")}
-        if getattr(target, "namespace", None) == "tpcompile":
+        if collective_name(target) is not None:
             node.meta["tp_shape"] = self.input_shape(args[0])  # compared across ranks by verify_rank
         return node
 
@@ -94,8 +92,47 @@ def rewrite_graph(gm: GraphModule, ctx: PassContext, rank: int) -> fx.Graph:
     return em.graph
 
 
+Lookup = Callable[[Node], Node]  # a source node -> its value in the rank graph, converted as the op wants
+Emit = Callable[["_Emitter", Node, Lookup], Optional[Node]]  # emits the replacement; None emits nothing
+
+
+def _role(role: str) -> Callable[[Node], bool]:
+    return lambda node: node.meta["tp_layout"].role == role
+
+
+def _is_sdpa_with_dropout(node: Node) -> bool:
+    return node.target is aten.scaled_dot_product_attention.default and sdpa_dropout(node) > 0
+
+
+def _drop(em: "_Emitter", node: Node, lookup: Lookup) -> None:
+    return None
+
+
+def _emit_copy(em: "_Emitter", node: Node, lookup: Lookup) -> Node:
+    """The op itself on the rank's values, its size literals made local."""
+    new = em.graph.node_copy(node, lookup)
+    layout = node.meta["tp_layout"]
+    if layout.localize:
+        new.args = _localize(em, new, layout.localize)
+    if isinstance(node.meta.get("tp_placement"), (Shard, tuple)):
+        new.meta.pop("val", None)
+        new.meta.pop("tensor_meta", None)
+    return new
+
+
+# What happens to each call_function node, first match wins: (matches, emits).
+REWRITES: list[tuple[Callable[[Node], bool], Emit]] = [
+    (_role("row"), lambda em, node, lookup: _emit_row(em, node, lookup)),  # local matmul, all-reduce, bias once
+    (_role("vocab"), lambda em, node, lookup: _emit_vocab(em, node, lookup)),  # own rows, zero the rest, all-reduce
+    (lambda node: _stale_metadata_assert(node), _drop),  # asserts a sharded tensor's global size
+    (is_live_dropout, emit_dropout),  # mask from the replicated or the rank's stream
+    (_is_sdpa_with_dropout, emit_sdpa_with_dropout),  # attention spelled out, mask from a rank stream
+    (lambda node: True, _emit_copy),  # everything else: the same op on local values
+]
+
+
 def _rewrite_node(em: _Emitter, node: Node) -> None:
-    """Emit the rank-local replacement of one node."""
+    """Emit the rank-local replacement of one node: inputs converted as its layout wants, then its row."""
     em.current = node
     layout = node.meta.get("tp_layout")
     if node.op == "output":
@@ -107,24 +144,10 @@ def _rewrite_node(em: _Emitter, node: Node) -> None:
     repl = {w.node: em.converted(w) for w in layout.wants}
     if layout.role == "column":
         repl.update(_piece_params(em, node))
-    lookup: Callable[[Node], Node] = lambda n: repl.get(n, em.env[n])  # noqa: E731
-    if layout.role == "row":
-        em.env[node] = _emit_row(em, node, lookup)
-    elif layout.role == "vocab":
-        em.env[node] = _emit_vocab(em, node, lookup)
-    elif _drop_metadata_assert(node):
-        return
-    elif is_live_dropout(node):
-        em.env[node] = emit_dropout(em, node, lookup)
-    elif node.target is aten.scaled_dot_product_attention.default and sdpa_dropout(node) > 0:
-        em.env[node] = emit_sdpa_with_dropout(em, node, lookup)
-    else:
-        new = em.graph.node_copy(node, lookup)
-        if layout.localize:
-            new.args = _localize(em, new, layout.localize)
-        if isinstance(node.meta.get("tp_placement"), (Shard, tuple)):
-            new.meta.pop("val", None)
-            new.meta.pop("tensor_meta", None)
+    lookup: Lookup = lambda n: repl.get(n, em.env[n])  # noqa: E731
+    emit = next(emit for matches, emit in REWRITES if matches(node))
+    new = emit(em, node, lookup)
+    if new is not None:
         em.env[node] = new
 
 
@@ -133,9 +156,9 @@ def _piece_params(em: _Emitter, node: Node) -> dict[Node, Node]:
     out = {}
     for p in node.all_input_nodes:
         sl = em.ctx.slice_for(p.target) if p.op == "get_attr" else None
-        if sl is not None and sl.groups:
+        if sl is not None and sl.pieces:
             out[p] = em._once(("pieces", p), torch.ops.tpcompile.grad_piece_all_reduce.default,
-                              em.env[p], sl.dim, sl.groups, em.ctx.group)
+                              em.env[p], sl.dim, sl.pieces, em.ctx.group)
     return out
 
 
@@ -210,7 +233,7 @@ def _localize_one(em: _Emitter, node: Node, args: list, kind: str, i: int, pos: 
     return args
 
 
-def _drop_metadata_assert(node: Node) -> bool:
+def _stale_metadata_assert(node: Node) -> bool:
     """A metadata assertion about a sharded tensor's global size no longer holds: drop it."""
     if node.target is not aten._assert_tensor_metadata.default:
         return False

@@ -1,4 +1,4 @@
-"""Rewrite helpers for dropout: masks from the per-rank random streams of tpcompile.rng."""
+"""Rewrite helpers for dropout: masks from the per-rank random streams of tpcompile.ops.rng."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -6,7 +6,7 @@ from typing import Any, Callable
 import torch
 from torch.fx import Node
 
-import tpcompile.rng  # noqa: F401  (registers torch.ops.tpcompile_rng.*)
+import tpcompile.ops.rng  # noqa: F401  (registers torch.ops.tpcompile_rng.dropout_mask)
 from tpcompile.placement import Shard
 
 aten = torch.ops.aten

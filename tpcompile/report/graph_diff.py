@@ -9,8 +9,9 @@ from typing import Any, Optional
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_aggregate
 
-from tpcompile.passes.context import module_path
-from tpcompile.report.node_table import collective_op, target_name
+from tpcompile.ops.schedule import collective_op
+from tpcompile.passes.pass_context import module_path
+from tpcompile.report.node_table import target_name
 from tpcompile.report.plan_table import split_text
 
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")

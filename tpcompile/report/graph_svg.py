@@ -11,7 +11,7 @@ from tpcompile.report.node_table import NodeInfo
 STYLE: dict[str, tuple[str, str, str, str]] = {
     "input": ("#e8eaf6", "#3949ab", "#1a237e", "input / output"),
     "param": ("#fff8e1", "#a1887f", "#4e342e", "parameter"),
-    "replicate": ("#eceff1", "#607d8b", "#263238", "replicated"),
+    "replicated": ("#eceff1", "#607d8b", "#263238", "replicated"),
     "shard": ("#c8e6c9", "#2e7d32", "#1b5e20", "sharded"),
     "partial": ("#ffe0b2", "#ef6c00", "#8a3c00", "partial sum"),
     "collective": ("#d32f2f", "#7f0000", "#ffffff", "collective"),

@@ -6,8 +6,9 @@ from typing import Any, Optional
 
 from torch.fx import GraphModule, Node
 
-from tpcompile.passes.context import module_path
-from tpcompile.placement import Partial, Replicate, Shard
+from tpcompile.ops.schedule import collective_op
+from tpcompile.passes.pass_context import module_path
+from tpcompile.placement import Replicate, Shard
 
 # Reduction collectives: their input is each rank's partial sum, whatever the meta says.
 _REDUCING = ("all_reduce", "reduce_scatter")
@@ -21,7 +22,7 @@ class NodeInfo:
     op: str  # fx opcode
     target: str  # short target: 'aten.linear.default', 'tpcompile.all_reduce', a parameter path
     placement: str  # str of node.meta['tp_placement'], '' where absent
-    kind: str  # input | param | size | output | collective | replicate | shard | partial | other
+    kind: str  # input | param | size | output | collective | replicated | shard | partial | other
     shape: str  # from a traced forward, '' where unknown
     module: str  # innermost nn.Module path the node was traced in
     inputs: tuple[str, ...]
@@ -36,14 +37,6 @@ def target_name(node: Node) -> str:
     if ns is not None:  # an OpOverload: 'aten.view.default', 'tpcompile.all_reduce.default'
         return f"{ns}.{t._opname}.{t._overloadname}"
     return getattr(t, "__name__", str(t))
-
-
-def collective_op(node: Node) -> Optional[str]:
-    """'all_reduce', 'all_gather', ... for a tpcompile collective node, else None."""
-    t = node.target
-    if node.op == "call_function" and getattr(t, "namespace", None) == "tpcompile":
-        return t._opname
-    return None
 
 
 def placement_text(node: Node) -> str:
@@ -72,10 +65,8 @@ def _kind(node: Node) -> str:
     parts = p if isinstance(p, tuple) else (p,)
     if any(isinstance(x, Shard) for x in parts):
         return "shard"
-    if any(isinstance(x, Partial) for x in parts):
-        return "partial"
     if any(isinstance(x, Replicate) for x in parts):
-        return "replicate"
+        return "replicated"
     return "other"
 
 
@@ -121,7 +112,7 @@ def node_table(infos: list[NodeInfo]) -> str:
 
 
 def legend(infos: list[Any]) -> str:
-    """'12 replicate, 30 shard, ...': how many nodes of each kind."""
+    """'12 replicated, 30 shard, ...': how many nodes of each kind."""
     counts: dict[str, int] = {}
     for i in infos:
         counts[i.kind] = counts.get(i.kind, 0) + 1

@@ -1,6 +1,7 @@
 """The plan as tables: every parameter's split, per-block bytes, and the collectives one forward runs."""
 from __future__ import annotations
 
+import io
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -10,9 +11,10 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from tpcompile.collectives import FORWARD_COMMUNICATING, CollectiveEvent
-from tpcompile.passes.context import module_path
-from tpcompile.report.node_table import collective_op
+from tpcompile.ops.collectives import CollectiveEvent
+from tpcompile.ops.schedule import FORWARD_COLLECTIVES, collective_op
+from tpcompile.passes.pass_context import module_path
+from tpcompile.report.units import format_bytes as _bytes
 
 OUTPUT_BLOCK = "(output)"
 ROOT_BLOCK = "(root)"
@@ -99,8 +101,12 @@ def _tensor(root: Any, path: str) -> Any:
     return root
 
 
-def plan_report(sharded: Any, events: Sequence[CollectiveEvent], title: str) -> PlanReport:
-    """Collect the rows from a ShardedModel and the collectives rank 0 ran in one forward."""
+def plan_report(sharded: Any, events: Optional[Sequence[CollectiveEvent]], title: str) -> PlanReport:
+    """Collect the rows from a ShardedModel and the collectives rank 0 ran in one forward.
+
+    Without `events` (no forward was run) the collectives are rank 0's forward collective
+    nodes, with their bytes unknown (0).
+    """
     plan = sharded.plan
     report = PlanReport(title, sharded.world_size, replicated=dict(plan.replicated), warnings=list(plan.warnings))
     for name, pp in plan.parameters.items():
@@ -109,23 +115,16 @@ def plan_report(sharded: Any, events: Sequence[CollectiveEvent], title: str) -> 
         report.params.append(ParamRow(label, block_of(name.rpartition(".")[0]), split_text(pp),
                                       tuple(pp.global_shape), tuple(pp.local_shape), item))
     nodes = [n for n in sharded.rank(0).graph.nodes if collective_op(n) is not None]
-    talking = [n for n in nodes if collective_op(n) in FORWARD_COMMUNICATING]
+    talking = [n for n in nodes if collective_op(n) in FORWARD_COLLECTIVES]
+    if events is None:
+        events = [CollectiveEvent(collective_op(n), "forward", 0, 0, ()) for n in talking]
     # The graph runs in node order, so the k-th event is the k-th communicating node, when the ops agree.
     agree = [collective_op(n) for n in talking] == [e.op for e in events]
     for k, e in enumerate(events):
         where = module_path(talking[k]) if agree else ""
         report.collectives.append(CollectiveRow(e.op, block_of(where) if where else OUTPUT_BLOCK, e.nbytes, e.shape))
-    report.backward_only = Counter(collective_op(n) for n in nodes if collective_op(n) not in FORWARD_COMMUNICATING)
+    report.backward_only = Counter(collective_op(n) for n in nodes if collective_op(n) not in FORWARD_COLLECTIVES)
     return report
-
-
-def _bytes(n: float) -> str:
-    """1,234 B / 12.0 KiB / 3.40 MiB."""
-    if n < 1024:
-        return f"{n:,.0f} B"
-    if n < 1024 ** 2:
-        return f"{n / 1024:.1f} KiB"
-    return f"{n / 1024 ** 2:.2f} MiB"
 
 
 def _shape(shape: Sequence[int]) -> str:
@@ -214,3 +213,24 @@ def print_plan(r: PlanReport, console: Console, inputs: Optional[str] = None) ->
     console.print()
     for line in summary_lines(r, inputs):
         console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+def summary_text(sharded: Any, width: int = 110) -> str:
+    """ShardedModel.summary(): the parameter and block tables and the totals, as plain text.
+
+    No forward runs, so the collectives are counted from rank 0's graph and their bytes are left
+    out; `tpcompile plan` runs one forward and shows them.
+    """
+    r = plan_report(sharded, None, f"tpcompile plan: {sharded.model_name} at world size {sharded.world_size}")
+    console = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False)
+    console.print(r.title, highlight=False, markup=False)
+    for table in (param_table(r), block_table(r)):
+        console.print()
+        console.print(table)
+    console.print()
+    counts = Counter(c.op for c in r.collectives)
+    lines = [line for line in summary_lines(r) if not line.startswith("communication per forward")]
+    lines.insert(1, "forward collectives per rank: " + (", ".join(f"{v} {k}" for k, v in counts.items()) or "none"))
+    for line in lines:
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
+    return "\n".join(line.rstrip() for line in console.file.getvalue().rstrip().splitlines())

@@ -8,8 +8,8 @@ import torch
 from torch.fx import GraphModule, Interpreter, Node
 from torch.fx._pytree import tree_flatten_spec
 
-from tpcompile.collectives import CollectiveEvent, record
-from tpcompile.simulator import simulate_ranks
+from tpcompile.ops.collectives import CollectiveEvent, record
+from tpcompile.runtime.simulator import simulate_ranks
 
 
 @dataclass

@@ -6,7 +6,8 @@ from typing import Any
 from torch.fx import Node
 
 from tpcompile.placement import REPLICATE, Replicate, Shard, moved
-from tpcompile.sharding_rules.context import Result, RuleContext, Want, norm_dim
+from tpcompile.sharding_rules.registry import rule
+from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim
 from tpcompile.sharding_rules.table import RuleSpec
 
 
@@ -17,6 +18,7 @@ def _tensor_args(node: Node, ctx: RuleContext) -> list[Node]:
     return [a for a in flat if ctx.is_tensor(a)]
 
 
+@rule("pointwise", listed=True)
 def pointwise(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """Elementwise with broadcasting: replicated operands are sliced, or broadcast and grad-synced."""
     inputs = _tensor_args(node, ctx)
@@ -46,6 +48,7 @@ def pointwise(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     return Result(target, wants)
 
 
+@rule("along_dim", args={"dim_arg": int})
 def along_dim(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """softmax / cumsum along one dim: fine unless that dim is the sharded one."""
     x = node.args[0]
@@ -58,6 +61,7 @@ def along_dim(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     return Result(p, [Want(x, p)])
 
 
+@rule("reduce", args={"dims_arg": int, "keepdim_arg": int, "keepdim_kwarg": str})
 def reduce(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """mean / sum / amax over dims other than the sharded one."""
     x = node.args[0]
@@ -77,6 +81,7 @@ def reduce(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     return Result(moved(p, p.dim - shift), [Want(x, p)])
 
 
+@rule("norm", args={"shape_arg": int})
 def norm(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """layer_norm / rms_norm over trailing dims that are not sharded; weights grad-synced."""
     x = node.args[0]
@@ -91,6 +96,7 @@ def norm(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     return Result(p, [Want(x, p)] + [ctx.replicated_want(n, p) for n in extra])
 
 
+@rule("no_output", listed=True)
 def no_output(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """Metadata assertions: no tensor out, inputs taken as they are."""
     return Result(None, [Want(n, ctx.placement(n)) for n in _tensor_args(node, ctx)])

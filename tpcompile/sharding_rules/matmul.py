@@ -1,14 +1,14 @@
 """Rules for the ops that hold the weights: matmuls with a weight, embeddings, attention."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Optional
 
 from torch.fx import Node
 
-from dataclasses import replace
-
 from tpcompile.placement import REPLICATE, Replicate, Shard, moved, padded_size, shard
-from tpcompile.sharding_rules.context import ParamSlice, Result, RuleContext, Want, norm_dim
+from tpcompile.sharding_rules.registry import rule
+from tpcompile.sharding_rules.rule_context import ParamSlice, Result, RuleContext, Want
 from tpcompile.sharding_rules.table import RuleSpec
 
 
@@ -16,6 +16,8 @@ def _arg(node: Node, i: Optional[int]) -> Any:
     return node.args[i] if i is not None and i < len(node.args) else None
 
 
+@rule("weight_matmul", args={"input": int, "weight": int, "bias": int,
+                             "weight_layout": ("out_in", "in_out")})  # out_in: F.linear, in_out: x @ W
 def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """linear / addmm / mm / matmul: column split on a replicated input, row split on a sharded one."""
     x, w, b = _arg(node, spec.get("input")), _arg(node, spec.get("weight")), _arg(node, spec.get("bias"))
@@ -30,29 +32,29 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if isinstance(b, Node):
         params[b] = None
     if ctx.demoted(node):
-        return Result(REPLICATE, [Want(x, REPLICATE)], role="replicate", params=params)
+        return Result(REPLICATE, [Want(x, REPLICATE)], role="replicated", params=params)
     if isinstance(px, Replicate) or (isinstance(px, Shard) and px.seq):
         segments = ctx.segment_hint(node) or (wshape[out_dim],)
         bad = [s for s in segments if s % ctx.world_size]
         padded = None
         if bad and len(segments) > 1:
-            return Result(REPLICATE, [Want(x, REPLICATE)], role="replicate", params=params,
+            return Result(REPLICATE, [Want(x, REPLICATE)], role="replicated", params=params,
                           demote_self=f"segment {bad[0]} not divisible by world size {ctx.world_size}")
         if bad:  # zero-padded to a multiple of the world size; fine up to a row split or the output
             padded = padded_size(wshape[out_dim], ctx.world_size)
-        pieces = ctx.groups_of(node)  # fewer pieces than ranks: each held by several ranks
+        pieces = ctx.pieces_of(node)  # fewer pieces than ranks: each held by several ranks
         if pieces:
             segments, padded = (wshape[out_dim],), None
-        out = replace(shard(len(ctx.shape(node)) - 1, segments), padded=padded, groups=pieces)
+        out = replace(shard(len(ctx.shape(node)) - 1, segments), padded=padded, pieces=pieces)
         params[w] = ParamSlice(out_dim, out.segments, padded, pieces)
         if isinstance(b, Node):
             params[b] = ParamSlice(0, out.segments, padded, pieces)
         return Result(out, [ctx.replicated_want(x, out)], role="column", params=params)
-    if isinstance(px, Shard) and px.groups is not None:
+    if isinstance(px, Shard) and px.pieces is not None:
         # pieces shared by several ranks would be summed once per sharing rank (2 query heads at 4 ranks)
         return Result(REPLICATE, [Want(x, REPLICATE)], params=params,
-                      conflict=f"input holds {px.groups} pieces shared among {ctx.world_size} ranks; a row "
-                               f"split would count each piece {ctx.world_size // px.groups} times")
+                      conflict=f"input holds {px.pieces} pieces shared among {ctx.world_size} ranks; a row "
+                               f"split would count each piece {ctx.world_size // px.pieces} times")
     if isinstance(px, Shard) and px.dim == len(xshape) - 1 and px.outer is None:
         params[w] = ParamSlice(in_dim, px.segments, px.padded)
         out = ctx.reduced(node)
@@ -63,6 +65,7 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
                   conflict=f"input is sharded on dim {px.dim}, not on the contracted dim")
 
 
+@rule("matmul")
 def activation_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """matmul / bmm of two activations: a sharded batch, row or column dim carries through."""
     a, b = node.args[0], node.args[1]
@@ -105,6 +108,7 @@ def _out_dim(d: int, ndim: int, nout: int, is_a: bool) -> Optional[int]:
     return d + nout - ndim
 
 
+@rule("einsum")
 def einsum(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """einsum: a sharded index that survives into the output stays sharded there."""
     equation, operands = node.args[0], list(node.args[1])
@@ -134,6 +138,7 @@ def einsum(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     return Result(target, wants)
 
 
+@rule("embedding")
 def embedding(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """Embedding lookup: split by vocabulary when the indices are the user's token ids."""
     w, idx = node.args[0], node.args[1]
@@ -142,12 +147,13 @@ def embedding(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if not isinstance(ctx.placement(idx), Replicate):
         return Result(REPLICATE, [Want(idx, REPLICATE)], params=params, conflict="indices are sharded")
     if ctx.param(w) is None or ctx.demoted(node) or not ctx.is_user_input(idx):
-        return Result(REPLICATE, [Want(idx, REPLICATE)], role="replicate", params=params)
+        return Result(REPLICATE, [Want(idx, REPLICATE)], role="replicated", params=params)
     padded = padded_size(wshape[0], ctx.world_size) if wshape[0] % ctx.world_size else None
     params[w] = ParamSlice(0, None, padded)
     return Result(ctx.reduced(node), [Want(idx, REPLICATE)], role="vocab", params=params)
 
 
+@rule("sdpa")
 def sdpa(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """scaled_dot_product_attention: whole heads (dim 1) per rank."""
     q, k, v = node.args[:3]
@@ -175,10 +181,3 @@ def sdpa(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         else:
             wants.append(ctx.replicated_want(mask, target))
     return Result(target, wants)
-
-
-def norm_dim_of(node: Node, spec: RuleSpec, key: str, default: int, ndim: int) -> int:
-    """The dimension argument of an op, made non-negative."""
-    i = spec.get(key)
-    dim = node.args[i] if i is not None and i < len(node.args) else node.kwargs.get("dim", default)
-    return norm_dim(dim, ndim)

@@ -1,4 +1,4 @@
-"""The op table's schema: which rules exist, which arguments each takes, checked with line numbers.
+"""The op table's schema: the rules registered (registry.py) and the fields each declares, checked with line numbers.
 
 The table is read with the safe YAML loader and every row is checked here before any rule runs,
 so a typo in ops.yaml (or in a user's rule file) is an error naming the key and its line instead
@@ -12,25 +12,8 @@ from typing import Any
 import yaml
 
 from tpcompile.errors import TPCompileError
+from tpcompile.sharding_rules.registry import RULES
 
-INT_ARGS = ("input", "weight", "bias", "shape_arg", "sizes_arg", "dim_arg", "default_dim", "dims_arg", "keepdim_arg")
-CHOICE_ARGS = {"weight_layout": ("out_in", "in_out")}
-STR_ARGS = ("keepdim_kwarg",)
-# rule name -> the arguments a row naming it may carry (argument positions in the aten schema)
-RULE_ARGS: dict[str, tuple[str, ...]] = {
-    "weight_matmul": ("input", "weight", "bias", "weight_layout"),
-    "matmul": (), "embedding": (), "sdpa": (), "einsum": (),
-    "reshape": ("shape_arg", "sizes_arg", "dim_arg"),
-    "expand": ("shape_arg",),
-    "transpose": (), "permute": (),
-    "split": ("dim_arg", "default_dim"), "unbind": ("dim_arg", "default_dim"),
-    "cat": ("dim_arg", "default_dim"), "slice": ("dim_arg", "default_dim"), "select": ("dim_arg",),
-    "along_dim": ("dim_arg",),
-    "reduce": ("dims_arg", "keepdim_arg", "keepdim_kwarg"),
-    "norm": ("shape_arg",),
-    "pointwise": (), "no_output": (),
-}
-LISTS = ("pointwise", "no_output")  # keys holding a list of op names that share one argument-less rule
 _OP = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*$")  # aten.add.Tensor
 _STR, _INT = "tag:yaml.org,2002:str", "tag:yaml.org,2002:int"
 
@@ -62,7 +45,7 @@ def parse_table(text: str, source: str) -> dict[str, tuple[str, dict[str, Any], 
 
     for key_node, value_node in root.value:
         key, line = getattr(key_node, "value", None), key_node.start_mark.line + 1
-        if key in LISTS:
+        if key in RULES and RULES[key].listed:
             if not isinstance(value_node, yaml.SequenceNode):
                 raise TPCompileError(f"rule file {source} line {line}: {key} must be a list of op names")
             for item in value_node.value:
@@ -71,7 +54,7 @@ def parse_table(text: str, source: str) -> dict[str, tuple[str, dict[str, Any], 
             add(key_node, *_row(key, value_node, source))
         else:
             raise TPCompileError(f"rule file {source} line {line}: {key}: the row must be a mapping such as "
-                                 f"{{rule: pointwise}}; rules: {', '.join(sorted(RULE_ARGS))}")
+                                 f"{{rule: pointwise}}; rules: {', '.join(sorted(RULES))}")
     return rows
 
 
@@ -88,33 +71,33 @@ def _row(op: str, node: yaml.MappingNode, source: str) -> tuple[str, dict[str, A
     line = node.start_mark.line + 1
     if "rule" not in fields:
         raise TPCompileError(f"rule file {source} line {line}: {op} has no 'rule' field; add rule: NAME with NAME "
-                             f"one of {', '.join(sorted(RULE_ARGS))}")
+                             f"one of {', '.join(sorted(RULES))}")
     rule_node, _ = fields.pop("rule")
     rule = rule_node.value
-    if rule not in RULE_ARGS:
+    if rule not in RULES:
         raise TPCompileError(f"rule file {source} line {line}: {op}: unknown rule {rule!r}; use one of "
-                             f"{', '.join(sorted(RULE_ARGS))} (or list the op under pointwise)")
+                             f"{', '.join(sorted(RULES))} (or list the op under pointwise)")
     args: dict[str, Any] = {}
     for name, (v, fline) in fields.items():
-        if name not in RULE_ARGS[rule]:
-            allowed = ", ".join(RULE_ARGS[rule]) or "none"
+        if name not in RULES[rule].args:
+            allowed = ", ".join(RULES[rule].args) or "none"
             raise TPCompileError(f"rule file {source} line {fline}: {op}: unknown field {name!r} for rule {rule}; "
                                  f"its fields: {allowed}")
-        args[name] = _value(op, name, v, fline, source)
+        args[name] = _value(op, name, RULES[rule].args[name], v, fline, source)
     return rule, args
 
 
-def _value(op: str, name: str, v: yaml.ScalarNode, line: int, source: str) -> Any:
-    """A field's value, typed: argument positions are non-negative ints, choices one of their words."""
-    if name in INT_ARGS:
+def _value(op: str, name: str, kind: Any, v: yaml.ScalarNode, line: int, source: str) -> Any:
+    """A field's value, typed as the rule declares it: an argument position, a choice, or a keyword name."""
+    if kind is int:
         if v.tag != _INT or int(v.value) < 0:
             raise TPCompileError(f"rule file {source} line {line}: {op}: {name}: {v.value!r} is not an argument "
                                  f"position (an int >= 0)")
         return int(v.value)
-    if name in CHOICE_ARGS:
-        if v.tag != _STR or v.value not in CHOICE_ARGS[name]:
+    if isinstance(kind, tuple):
+        if v.tag != _STR or v.value not in kind:
             raise TPCompileError(f"rule file {source} line {line}: {op}: {name}: {v.value!r}; use one of "
-                                 f"{', '.join(CHOICE_ARGS[name])}")
+                                 f"{', '.join(kind)}")
         return v.value
     if v.tag != _STR:
         raise TPCompileError(f"rule file {source} line {line}: {op}: {name}: {v.value!r} must be a keyword name")

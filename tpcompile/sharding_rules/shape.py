@@ -8,8 +8,11 @@ import sympy
 from torch.fx import Node
 
 from tpcompile.placement import REPLICATE, Replicate, Shard, moved, shard
-from tpcompile.sharding_rules.context import Result, RuleContext, Size, Want, norm_dim, prod, sizes_equal
+from tpcompile.sharding_rules.registry import rule
+from tpcompile.sharding_rules.rule_context import Result, RuleContext, Size, Want, norm_dim, prod, sizes_equal
 from tpcompile.sharding_rules.table import RuleSpec
+
+_ALONG = {"dim_arg": int, "default_dim": int}  # ops acting along one dim: its argument position, default
 
 
 def _passthrough(node: Node, ctx: RuleContext) -> Optional[Result]:
@@ -93,12 +96,12 @@ def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: i
             m = _exact(sympy.sympify(size) / sum(one))  # runs folded into this dim
             if m is None or not sizes_equal(pre * m, count * k):
                 continue
-            if any(s % (p.groups or ws) for s in one):  # a finer dim may still hold whole blocks
+            if any(s % (p.pieces or ws) for s in one):  # a finer dim may still hold whole blocks
                 sizes = "x".join(str(s) for s in outs_g)
                 why = (f"reshape splits a sharded dim of size {ins[p.dim]} into ({sizes}); "
                        f"{size} is not divisible by world size {ws}")
                 continue
-            return replace(shard(gj[u], one), outer=None if m == 1 else m, groups=p.groups), ""
+            return replace(shard(gj[u], one), outer=None if m == 1 else m, pieces=p.pieces), ""
         return None, why
     return None, "sharded dim not found"
 
@@ -126,12 +129,13 @@ def _regroup(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: int) -> Op
     for g in range(ws // 2, 1, -1):
         if ws % g:
             continue
-        out, _ = reshape_placement(replace(p, groups=g), ins, outs, ws)
+        out, _ = reshape_placement(replace(p, pieces=g), ins, outs, ws)
         if out is not None and isinstance(outs[out.dim], int) and outs[out.dim] < ws:
             return g
     return None
 
 
+@rule("reshape", args={"shape_arg": int, "sizes_arg": int, "dim_arg": int})
 def reshape(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """view / reshape / flatten / (un)squeeze."""
     done = _passthrough(node, ctx)
@@ -152,14 +156,15 @@ def reshape(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
                            f"across {ctx.world_size} ranks")
     res = Result(out, [Want(x, p)])
     if spec.get("shape_arg") is not None:
-        res.localize = [("shape", spec.get("shape_arg"), out.dim, out.groups)]
+        res.localize = [("shape", spec.get("shape_arg"), out.dim, out.pieces)]
     elif spec.get("sizes_arg") is not None:  # unflatten: sizes of the dims that replace `dim`
         first = norm_dim(node.args[spec.get("dim_arg")], len(ctx.shape(x)))
         if 0 <= out.dim - first < len(node.args[spec.get("sizes_arg")]):
-            res.localize = [("shape", spec.get("sizes_arg"), out.dim - first, out.groups)]
+            res.localize = [("shape", spec.get("sizes_arg"), out.dim - first, out.pieces)]
     return res
 
 
+@rule("expand", args={"shape_arg": int})
 def expand(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """expand: new leading dims shift the sharded dim; its size literal becomes per-rank."""
     done = _passthrough(node, ctx)
@@ -170,16 +175,17 @@ def expand(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     out = moved(p, p.dim + len(ctx.shape(node)) - len(ctx.shape(x)))
     ins, outs = ctx.shape(x), ctx.shape(node)
     nxt = p.dim + 1  # a dim broadcast right after a grouped one: split it within each piece
-    share = ctx.world_size // p.groups if p.groups else None
+    share = ctx.world_size // p.pieces if p.pieces else None
     if share and p.split_next is None and nxt < len(ins) and ins[nxt] == 1 and isinstance(outs[out.dim + 1], int) \
             and outs[out.dim + 1] % share == 0:
         out = replace(out, split_next=share)
-    loc = [("shape", 1, out.dim, out.groups)]
+    loc = [("shape", 1, out.dim, out.pieces)]
     if out.split_next:
         loc.append(("shape", 1, out.dim + 1, out.split_next))
     return Result(out, [Want(x, p)], localize=loc)
 
 
+@rule("transpose")
 def transpose(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """transpose / t: the sharded dim moves with the swap."""
     done = _passthrough(node, ctx)
@@ -192,6 +198,7 @@ def transpose(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     return Result(moved(p, d), [Want(x, p)])
 
 
+@rule("permute")
 def permute(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """permute: the sharded dim goes where the permutation puts it."""
     done = _passthrough(node, ctx)
@@ -209,6 +216,7 @@ def _dim(node: Node, spec: RuleSpec, ndim: int) -> int:
     return norm_dim(dim, ndim)
 
 
+@rule("split", args=_ALONG)
 def split(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """split / split_with_sizes / chunk: pieces along the sharded dim must be whole segments."""
     x = node.args[0]
@@ -236,6 +244,7 @@ def split(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     return Result(tuple(outs), [Want(x, p)], localize=[("split", 1, dim, None)])
 
 
+@rule("unbind", args=_ALONG)
 def unbind(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """unbind: fine along any dim but the sharded one."""
     x = node.args[0]
@@ -250,6 +259,7 @@ def unbind(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     return Result(tuple(out for _ in range(n)), [Want(x, p)])
 
 
+@rule("cat", args=_ALONG)
 def cat(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """cat along a dim other than the sharded one; replicated pieces are sliced locally."""
     tensors = list(node.args[0])
@@ -271,6 +281,7 @@ def _along(node: Node, spec: RuleSpec, ctx: RuleContext) -> tuple[Node, Shard, i
     return x, ctx.placement(x), _dim(node, spec, len(ctx.shape(x)))
 
 
+@rule("slice", args=_ALONG)
 def slice_(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """slice: any dim but the sharded one, where only a full slice is allowed."""
     done = _passthrough(node, ctx)
@@ -282,6 +293,7 @@ def slice_(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     return Result(p, [Want(x, p)])
 
 
+@rule("select", args={"dim_arg": int})
 def select(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """select: removes a dim other than the sharded one."""
     done = _passthrough(node, ctx)

@@ -8,9 +8,8 @@ import torch
 from torch.fx import Node
 
 from tpcompile.errors import TPCompileError
-from tpcompile.sharding_rules.context import ParamSlice
-
-PLAN_VALUES = ("auto", "replicate", "sharded_output")
+from tpcompile.overrides import override_for
+from tpcompile.placement import ParamSlice
 
 
 @dataclass
@@ -19,11 +18,11 @@ class PassContext:
 
     world_size: int
     group: str = "default"
-    plan: dict[str, str] = field(default_factory=dict)
+    overrides: dict[str, str] = field(default_factory=dict)  # module path -> replicate | sharded_output | auto
     sequence_parallel: bool = False
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # get_attr target -> param/buffer
     demoted: dict[Node, str] = field(default_factory=dict)  # seed -> why it is replicated
-    groups: dict[Node, int] = field(default_factory=dict)  # seed -> pieces, when fewer than ranks
+    pieces: dict[Node, int] = field(default_factory=dict)  # seed -> pieces, when fewer than ranks
     param_slices: dict[str, Optional[ParamSlice]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     iterations: int = 0
@@ -44,13 +43,9 @@ class PassContext:
         t = self.tensors.get(name)
         return self._names.get(id(t), [name]) if t is not None else [name]
 
-    def plan_for(self, module_path: str) -> str:
-        """The plan value covering a module path (longest matching prefix), default 'auto'."""
-        best, value = -1, "auto"
-        for key, v in self.plan.items():
-            if (module_path == key or module_path.startswith(key + ".") or key == "") and len(key) > best:
-                best, value = len(key), v
-        return value
+    def override_for(self, module_path: str) -> str:
+        """The user's override covering a module path (tpcompile.overrides.override_for)."""
+        return override_for(self.overrides, module_path)
 
 
 def module_path(node: Node) -> str:

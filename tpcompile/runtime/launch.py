@@ -1,8 +1,7 @@
-"""Real torch.distributed runs: spawn local rank processes, or join a torchrun launch."""
+"""Real torch.distributed runs on one machine: spawn the rank processes, run a function in each."""
 
 from __future__ import annotations
 
-import os
 import pickle
 import queue as queue_mod
 import socket
@@ -17,54 +16,12 @@ import torch.multiprocessing as mp
 
 from tpcompile.errors import TPCompileError
 
-__all__ = ["DEFAULT_TIMEOUT_S", "DistBackend", "collective_timeout", "free_port", "init_from_env", "launch"]
+__all__ = ["free_port", "launch"]
 
-# torch >= 2.13 renames the tensor-in/tensor-out collectives; older releases keep the old names.
-_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 # Seconds a child may take to import torch and rendezvous, on top of the caller's timeout.
 _STARTUP_S = 60.0
 # Seconds to wait for a dead child's last message, which may still be in the pipe.
 _GRACE_S = 5.0
-
-
-class DistBackend:
-    """Collectives over one torch.distributed process group (None means WORLD)."""
-
-    def __init__(self, pg: Any) -> None:
-        """Bind the process group and read this process's place in it."""
-        self.pg = pg
-        self.rank = dist.get_rank(pg)
-        self.world_size = dist.get_world_size(pg)
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum x over the group into a fresh tensor."""
-        out = x.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, group=self.pg)
-        return out
-
-    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """Concatenate every rank's x along dim."""
-        x = x.contiguous()
-        if dim == 0:
-            out = x.new_empty((x.shape[0] * self.world_size, *x.shape[1:]))
-            _gather_single(out, x, group=self.pg)
-            return out
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x, group=self.pg)
-        return torch.cat(parts, dim)
-
-    def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """Sum x over the group and keep this rank's chunk along dim."""
-        shape = list(x.shape)
-        shape[dim] //= self.world_size
-        out = x.new_empty(shape)
-        if dim == 0:
-            _scatter_single(out, x.contiguous(), group=self.pg)
-        else:
-            chunks = [c.contiguous() for c in x.chunk(self.world_size, dim)]
-            dist.reduce_scatter(out, chunks, group=self.pg)
-        return out
 
 
 def free_port() -> int:
@@ -168,45 +125,3 @@ def _check_dead(procs: list, got: dict[int, Any], dead_since: dict[int, float]) 
         if time.monotonic() - first > _GRACE_S:
             raise TPCompileError(f"rank {r} exited with code {p.exitcode} without a result "
                                  f"(killed, or fn could not be unpickled in the child)")
-
-
-# Seconds a collective (and the rendezvous) may wait before the group gives up, unless
-# TPCOMPILE_TIMEOUT_S says otherwise: a rank that died or diverged then fails the others
-# with an error instead of leaving them blocked for torch's default of 10-30 minutes.
-DEFAULT_TIMEOUT_S = 300.0
-
-
-def collective_timeout() -> timedelta:
-    """The process-group timeout: $TPCOMPILE_TIMEOUT_S seconds, default DEFAULT_TIMEOUT_S."""
-    raw = os.environ.get("TPCOMPILE_TIMEOUT_S", "")
-    try:
-        seconds = float(raw) if raw else DEFAULT_TIMEOUT_S
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise TPCompileError(f"TPCOMPILE_TIMEOUT_S={raw!r} is not a positive number of seconds")
-    return timedelta(seconds=seconds)
-
-
-def init_from_env(backend: str | None = None, *, standalone: bool = False) -> tuple[int, int]:
-    """Initialise torch.distributed from torchrun's environment if needed; (rank, world_size).
-
-    The backend is NCCL (device cuda:LOCAL_RANK) when CUDA is available, else gloo; the
-    group's timeout comes from collective_timeout(). With `standalone`, a process started
-    without torchrun becomes a one-rank group on a free local port instead of an error.
-    """
-    if not dist.is_initialized():
-        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-                   if k not in os.environ]
-        if missing and standalone and len(missing) == 4:
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(free_port()))
-        elif missing:
-            raise TPCompileError(f"environment lacks {', '.join(missing)}: start this script "
-                                 f"with torchrun, or call torch.distributed.init_process_group")
-        if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, init_method="env://", timeout=collective_timeout())
-    return dist.get_rank(), dist.get_world_size()

@@ -1,27 +1,16 @@
 """What a sharding rule can ask about the graph, and what it answers."""
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence
 
 import sympy
 import torch
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Placement, Replicate, Shard
+from tpcompile.placement import REPLICATE, ParamSlice, Placement, Replicate, Shard
 
 Size = Any  # an int or a sympy expression (a dynamic dimension)
-
-
-@dataclass(frozen=True)
-class ParamSlice:
-    """How a parameter is cut: along `dim`, per segment when segmented."""
-
-    dim: int
-    segments: Optional[tuple[int, ...]] = None
-    padded: Optional[int] = None  # cut as if zero-padded to this size
-    groups: Optional[int] = None  # cut into this many pieces, each held by world_size/groups ranks
 
 
 @dataclass
@@ -39,7 +28,7 @@ class Result:
 
     out: Any  # a Placement, or a tuple of them for multi-output ops
     wants: list[Want] = field(default_factory=list)
-    role: str = "generic"  # column | row | vocab | replicate | generic
+    role: str = "generic"  # column | row | vocab | replicated | generic
     params: dict[Node, Optional[ParamSlice]] = field(default_factory=dict)
     localize: Optional[list[tuple]] = None  # (kind, arg index, position, divisor) of size literals
     conflict: Optional[str] = None  # why the op cannot run on its sharded inputs
@@ -73,28 +62,27 @@ def prod(sizes: Sequence[Size]) -> Size:
     return int(out) if isinstance(out, int) or getattr(out, "is_number", False) else out
 
 
+def _no_pieces(node: Node) -> Optional[int]:
+    return None
+
+
+@dataclass(frozen=True)
 class RuleContext:
-    """Read-only view of the graph and the placements decided so far."""
+    """Read-only view of the graph and the placements decided so far (built by propagate's sweep)."""
 
-    def __init__(self, world_size: int, placement_of: Callable[[Node], Placement],
-                 requires_grad: Callable[[Node], bool], param_of: Callable[[Node], Optional[torch.Tensor]],
-                 is_user_input: Callable[[Node], bool], demoted: Callable[[Node], bool],
-                 segment_hint: Callable[[Node], Optional[tuple[int, ...]]]) -> None:
-        self.world_size = world_size
-        self.placement = placement_of
-        self.requires_grad = requires_grad
-        self.param = param_of
-        self.is_user_input = is_user_input
-        self.demoted = demoted
-        self.segment_hint = segment_hint
-        self.sequence_parallel = False
-        self.groups_of: Callable[[Node], Optional[int]] = lambda n: None
+    world_size: int
+    placement: Callable[[Any], Placement]  # a node's placement so far (Replicate for non-nodes)
+    requires_grad: Callable[[Node], bool]  # the node's value carries a gradient
+    param: Callable[[Any], Optional[torch.Tensor]]  # the parameter a get_attr node reads, else None
+    is_user_input: Callable[[Node], bool]  # a model input, possibly reshaped (token ids)
+    demoted: Callable[[Node], bool]  # a seed that this round replicates
+    segment_hint: Callable[[Node], Optional[tuple[int, ...]]]  # a fused projection's segments (annotate)
+    sequence_parallel: bool = False
+    pieces_of: Callable[[Node], Optional[int]] = _no_pieces  # a seed split into fewer pieces than ranks
 
-    def seeing(self, placement_of: Callable[[Node], Placement]) -> "RuleContext":
-        """The same context with placements read through `placement_of`."""
-        other = copy.copy(self)
-        other.placement = placement_of
-        return other
+    def seeing(self, placement: Callable[[Any], Placement]) -> "RuleContext":
+        """The same context with placements read through `placement`."""
+        return replace(self, placement=placement)
 
     def reduced(self, node: Node) -> Placement:
         """Where a row split's sum lands: split by tokens under sequence parallelism, else whole."""

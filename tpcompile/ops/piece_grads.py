@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from tpcompile.collectives import all_reduce, rank_of, world_size_of
+from tpcompile.ops.collectives import all_reduce
+from tpcompile.runtime.backends import rank_of, world_size_of
 
 
 @torch.library.custom_op("tpcompile::grad_piece_all_reduce", mutates_args=(),

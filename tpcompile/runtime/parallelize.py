@@ -12,9 +12,9 @@ from torch.fx import GraphModule
 
 from tpcompile.api import shard
 from tpcompile.capture import infer_example_inputs
+from tpcompile.checkpoint.weights import Weights, allocate, load_rank_weights, retarget
 from tpcompile.errors import TPCompileError
-from tpcompile.fingerprint import check_schedules, schedule
-from tpcompile.weights import Weights, allocate, load_rank_weights, retarget
+from tpcompile.runtime.startup_check import check_schedules, schedule
 
 __all__ = ["parallelize", "default_device"]
 
@@ -71,7 +71,7 @@ def parallelize(model: nn.Module, *, example_inputs: Any = (), example_kwargs: O
     target = torch.device(device) if device is not None else default_device()
     gm.meta["tpcompile"], gm.meta["tpcompile_rank"] = sm, rank
     if _is_dcp(weights):  # a sharded checkpoint saved at any world size
-        from tpcompile.dcp import load  # torch.distributed.checkpoint only when it is used
+        from tpcompile.checkpoint.dcp import load  # torch.distributed.checkpoint only when it is used
         load(allocate(gm, device=target), weights, group=group)
     elif weights is not None:
         load_rank_weights(gm, sm, rank, weights, device=target)

@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from tpcompile.collectives import rank_of, world_size_of
+from tpcompile.runtime.backends import rank_of, world_size_of
 
 _SHARDED_OFFSET = 2718  # keeps the per-rank streams away from the replicated one
 _lock = threading.Lock()

@@ -16,6 +16,8 @@ from typing import Any, Callable
 import torch
 
 from tpcompile.errors import TPCompileError
+from tpcompile.ops.schedule import CollectiveCall
+from tpcompile.runtime.backends import register_resolver
 
 __all__ = ["SimulatedRank", "current_rank", "simulate", "simulate_ranks"]
 
@@ -30,7 +32,7 @@ class _RankAborted(TPCompileError):
 class _Call:
     """One collective call as every rank sees it: the k-th collective of each rank."""
 
-    slots: list[tuple[str, tuple, torch.Tensor] | None]
+    slots: list[tuple[CollectiveCall, torch.Tensor] | None]
     arrived: int = 0
     read: int = 0
 
@@ -51,23 +53,24 @@ class _World:
         """Start every rank at collective number zero."""
         self.seq = [0] * self.world_size
 
-    def exchange(self, rank: int, op: str, x: torch.Tensor, meta: tuple) -> list[torch.Tensor]:
+    def exchange(self, rank: int, call: CollectiveCall, x: torch.Tensor) -> list[torch.Tensor]:
         """Deposit x for this rank's next collective and return every rank's x in rank order."""
         deadline = time.monotonic() + self.timeout
+        op = call.op
         with self.cond:
             k = self.seq[rank]
             self.seq[rank] += 1
-            call = self.calls.setdefault(k, _Call([None] * self.world_size))
+            slot = self.calls.setdefault(k, _Call([None] * self.world_size))
             if self.failure is not None:
-                self._raise_if_doomed(rank, op, k, call)
-            call.slots[rank] = (op, meta, x)
-            call.arrived += 1
+                self._raise_if_doomed(rank, op, k, slot)
+            slot.slots[rank] = (call, x)
+            slot.arrived += 1
             self.cond.notify_all()
-            while call.arrived < self.world_size:
-                self._raise_if_doomed(rank, op, k, call)
+            while slot.arrived < self.world_size:
+                self._raise_if_doomed(rank, op, k, slot)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    missing = [r for r, s in enumerate(call.slots) if s is None]
+                    missing = [r for r, s in enumerate(slot.slots) if s is None]
                     msg = (f"tpcompile.{op} on rank {rank} (collective #{k}) waited more than "
                            f"{self.timeout:g} s for ranks {missing}; they are stuck or slower than that: "
                            f"pass a larger timeout= to simulate_ranks, or make every rank issue the same collectives")
@@ -75,12 +78,12 @@ class _World:
                     self.cond.notify_all()
                     raise TPCompileError(msg)
                 self.cond.wait(left)
-            entries = list(call.slots)
-            call.read += 1
-            if call.read == self.world_size:
+            entries = list(slot.slots)
+            slot.read += 1
+            if slot.read == self.world_size:
                 del self.calls[k]
         _check_same(entries, rank, k)
-        return [e[2] for e in entries]  # type: ignore[index]
+        return [e[1] for e in entries]  # type: ignore[index]
 
     def _raise_if_doomed(self, rank: int, op: str, k: int, call: _Call) -> None:
         """Raise when call k can never complete: a rank failed or returned without joining."""
@@ -106,9 +109,9 @@ class _World:
 
 def _check_same(entries: list, rank: int, k: int) -> None:
     """Raise when the ranks called different collectives (op, dim, shape, dtype) at step k."""
-    first = entries[0][:2]
-    if any(e[:2] != first for e in entries):
-        seen = "; ".join(f"rank {r}: {e[0]}{e[1]}" for r, e in enumerate(entries))
+    first = entries[0][0]
+    if any(e[0] != first for e in entries):
+        seen = "; ".join(f"rank {r}: {e[0]}" for r, e in enumerate(entries))
         raise TPCompileError(f"collective #{k} differs across ranks (seen on rank {rank}): {seen}; every rank must "
                              f"run the same graph on inputs of the same shapes")
 
@@ -124,7 +127,8 @@ class SimulatedRank:
 
     def _gather(self, op: str, x: torch.Tensor, dim: int | None) -> list[torch.Tensor]:
         """Exchange x with every rank, checking that all ranks agree on the call."""
-        return self._world.exchange(self.rank, op, x, (dim, tuple(x.shape), x.dtype))
+        call = CollectiveCall(op, tuple(str(int(d)) for d in x.shape), str(x.dtype), () if dim is None else (dim,))
+        return self._world.exchange(self.rank, call, x)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over ranks, adding in rank order."""
@@ -153,13 +157,16 @@ def current_rank() -> SimulatedRank | None:
     return getattr(_local, "rank", None)
 
 
+register_resolver(lambda group: current_rank())  # collectives on a simulated rank's thread run here
+
+
 def simulate_ranks(world_size: int, fn: Callable[[int], Any], *,
                    timeout: float = 120.0) -> list:
     """Run fn(rank) on world_size threads at once and return the results in rank order."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise TPCompileError(f"world_size must be an int >= 1, got {world_size!r} ({type(world_size).__name__}); "
                              f"pass the number of simulated ranks, e.g. simulate_ranks(2, fn)")
-    import tpcompile.collectives  # noqa: F401  registers torch.ops.tpcompile for fn's graphs
+    import tpcompile.ops  # noqa: F401  registers torch.ops.tpcompile* for fn's graphs
 
     world = _World(world_size, float(timeout))
     results: list[Any] = [None] * world_size

@@ -10,8 +10,9 @@ one-tensor view op, so the result shares storage with x. As with any view made i
 custom autograd function, modifying that result in place while it requires grad raises.
 scatter does copy: its chunk along dim is made contiguous for the matmul that follows.
 
-A collective runs on the calling thread's simulated rank (tpcompile.simulator), else on
-torch.distributed with the process group registered under the group key.
+A collective runs on the backend tpcompile.runtime.backends resolves for the calling thread: a
+simulated rank (tpcompile.runtime.simulator), else torch.distributed with the group registered
+under the group key.
 """
 
 from __future__ import annotations
@@ -19,27 +20,29 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Literal, Protocol
+from typing import Any, Callable, Iterator, Literal
 
 import torch
-import torch.distributed as dist
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-from tpcompile import simulator
 from tpcompile.errors import TPCompileError
-from tpcompile.runtime import DistBackend
+from tpcompile.ops.schedule import COLLECTIVE_OPS, FORWARD_COLLECTIVES
+from tpcompile.runtime.backends import (
+    Backend,
+    current_backend,
+    rank_of,
+    register_group,
+    unregister_group,
+    world_size_of,
+)
 
 __all__ = [
-    "COLLECTIVE_OPS", "FORWARD_COMMUNICATING", "CollectiveEvent", "all_gather",
+    "COLLECTIVE_OPS", "FORWARD_COLLECTIVES", "CollectiveEvent", "all_gather",
     "all_gather_replicated", "all_reduce", "current_backend", "grad_all_reduce", "rank_of",
     "record", "reduce_scatter", "register_group", "scatter", "unregister_group",
     "world_size_of",
 ]
 
-COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_gather_replicated",
-                  "grad_all_reduce", "scatter")
-FORWARD_COMMUNICATING = frozenset({"all_reduce", "all_gather", "reduce_scatter",
-                                   "all_gather_replicated"})
 
 
 @dataclass(frozen=True)
@@ -53,68 +56,10 @@ class CollectiveEvent:
     shape: tuple
 
 
-class Backend(Protocol):
-    """What a collective needs from a runtime: the rank's place and three exchanges."""
-
-    rank: int
-    world_size: int
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
-    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor: ...
-    def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor: ...
-
-
-_groups: dict[str, Any] = {}
 _recorders: list[list[CollectiveEvent]] = []
 _record_lock = threading.Lock()
 # The compiler emits plain int dims, so the schema says int rather than the inferred SymInt.
 _DIM_SCHEMA = "(Tensor x, int dim, str group) -> Tensor"
-
-
-def register_group(key: str, group: dist.ProcessGroup | int) -> None:
-    """Name a torch.distributed ProcessGroup (or, for shape tracing only, an int world size)."""
-    if isinstance(group, bool) or (isinstance(group, int) and group < 1):
-        raise TPCompileError(f"group {key!r}: a world size must be an int >= 1, got {group!r}")
-    _groups[key] = group
-
-
-def unregister_group(key: str) -> None:
-    """Forget the group registered under key, if any."""
-    _groups.pop(key, None)
-
-
-def current_backend(group: str) -> Backend:
-    """The backend that runs collectives of group on the calling thread."""
-    sim = simulator.current_rank()
-    if sim is not None:
-        return sim
-    if dist.is_available() and dist.is_initialized():
-        pg = _groups.get(group)
-        if pg is None or isinstance(pg, int):
-            if group != "default":
-                raise TPCompileError(f"no process group registered under {group!r}; call "
-                                     f"tpcompile.collectives.register_group({group!r}, pg)")
-            pg = None
-        return DistBackend(pg)
-    raise TPCompileError(
-        f"collective on group {group!r} has no backend: run under torchrun (with "
-        f"torch.distributed.init_process_group) or inside tpcompile.simulate / simulate_ranks")
-
-
-def world_size_of(group: str) -> int:
-    """The number of ranks in group (an int registered for tracing counts too)."""
-    sim = simulator.current_rank()
-    if sim is not None:
-        return sim.world_size
-    registered = _groups.get(group)
-    if isinstance(registered, int):
-        return registered
-    return current_backend(group).world_size
-
-
-def rank_of(group: str) -> int:
-    """The calling rank's index in group."""
-    return current_backend(group).rank
 
 
 @contextmanager

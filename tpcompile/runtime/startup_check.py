@@ -11,12 +11,13 @@ import torch.distributed as dist
 from torch.fx import GraphModule, Interpreter
 
 from tpcompile.errors import TPCompileError
+from tpcompile.ops.schedule import CollectiveCall, collective_name, graph_schedule
 
 __all__ = ["check_schedules", "digest", "first_difference", "schedule"]
 
 log = logging.getLogger("tpcompile")
 
-Entry = tuple[str, tuple[str, ...], str, tuple]  # (op, shape, dtype, other arguments)
+Entry = CollectiveCall  # (op, shape, dtype, other arguments)
 
 
 class _Recorder(Interpreter):
@@ -31,12 +32,16 @@ class _Recorder(Interpreter):
         # export's input guards need concrete sizes; the captured graph already checked them
         return None if target == "_guards_fn" else super().call_module(target, args, kwargs)
 
+    def _named(self, args: tuple) -> tuple:
+        """The other arguments, the group's key (it holds an object id, different per process) named alike."""
+        return tuple(self.group_name if isinstance(a, str) else a for a in args)
+
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
-        if getattr(target, "namespace", None) == "tpcompile":
+        op = collective_name(target)
+        if op is not None:
             x = args[0]
-            # the group's key differs between processes (it holds an object id): name it alike
-            rest = tuple(self.group_name if isinstance(a, str) else a for a in args[1:])
-            self.entries.append((target._opname, tuple(str(d) for d in x.shape), str(x.dtype), rest))
+            self.entries.append(CollectiveCall(op, tuple(str(d) for d in x.shape), str(x.dtype),
+                                               self._named(args[1:])))
         return super().call_function(target, args, kwargs)
 
 
@@ -66,9 +71,8 @@ def schedule(gm: GraphModule, fake_inputs: list, *, group_name: str = "group") -
 
 def _structural(gm: GraphModule, group_name: str) -> list[Entry]:
     """The collectives in graph order (the order they run), shapes and dtypes unknown."""
-    return [(n.target._opname, ("?",), "?", tuple(group_name if isinstance(a, str) else a for a in n.args[1:]))
-            for n in gm.graph.nodes
-            if n.op == "call_function" and getattr(n.target, "namespace", None) == "tpcompile"]
+    return [CollectiveCall(call.op, ("?",), "?", tuple(group_name if isinstance(a, str) else a for a in call.args))
+            for call, _ in graph_schedule(gm)]
 
 
 def _rename_symbols(entries: list[Entry]) -> list[Entry]:
@@ -77,8 +81,7 @@ def _rename_symbols(entries: list[Entry]) -> list[Entry]:
 
     def sub(m: re.Match) -> str:
         return names.setdefault(m.group(0), f"d{len(names)}")
-    return [(op, tuple(re.sub(r"\b[su]\d+\b", sub, d) for d in shape), dtype, rest)
-            for op, shape, dtype, rest in entries]
+    return [e._replace(shape=tuple(re.sub(r"\b[su]\d+\b", sub, d) for d in e.shape)) for e in entries]
 
 
 def digest(entries: list[Entry]) -> str:
@@ -87,10 +90,7 @@ def digest(entries: list[Entry]) -> str:
 
 
 def _describe(e: Optional[Entry]) -> str:
-    if e is None:
-        return "nothing (its schedule ends here)"
-    op, shape, dtype, rest = e
-    return f"{op}(({', '.join(shape)}), {dtype}{''.join(f', {a}' for a in rest)})"
+    return "nothing (its schedule ends here)" if e is None else str(e)
 
 
 def first_difference(schedules: list[list[Entry]]) -> Optional[str]:

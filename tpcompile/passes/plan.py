@@ -1,0 +1,82 @@
+"""The plan: what shard() decided, per weight op and per parameter, read off the propagated graph.
+
+`Plan` is the result users read (`ShardedModel.plan`); the user's own choices are the
+overrides (tpcompile.overrides), and `tpcompile plan` renders a Plan (report/plan_table.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from torch import nn
+from torch.fx import GraphModule
+
+from tpcompile.passes.pass_context import PassContext, owner_path
+from tpcompile.passes.propagate import SEED_RULES, seed_path
+from tpcompile.placement import ParamSlice, slice_shape
+
+SPLIT_ROLES = ("column", "row", "vocab")
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    """What one parameter became: its split, and its global and per-rank shapes."""
+
+    name: str
+    role: str  # column | row | vocab | replicated
+    dim: Optional[int]
+    segments: Optional[tuple[int, ...]]
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    tied: tuple[str, ...] = ()  # other names of the same parameter
+    padded: Optional[int] = None  # split as if zero-padded to this size along dim
+    pieces: Optional[int] = None  # split into this many pieces, each shared by world_size/pieces ranks
+
+    def slice(self) -> Optional[ParamSlice]:
+        """How the parameter is cut (tpcompile.placement.rank_pieces; None: whole)."""
+        return None if self.dim is None else ParamSlice(self.dim, self.segments, self.padded, self.pieces)
+
+
+@dataclass
+class Plan:
+    """Every decision: per weight-owning module its role, per parameter its split."""
+
+    world_size: int
+    modules: dict[str, str] = field(default_factory=dict)
+    parameters: dict[str, ParamPlan] = field(default_factory=dict)
+    replicated: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def __getitem__(self, module: str) -> str:
+        return self.modules[module]
+
+
+def build_plan(gm: GraphModule, ctx: PassContext) -> Plan:
+    """The Plan of a propagated graph: module roles from node.meta['tp_layout'], slices from ctx."""
+    plan = Plan(ctx.world_size, warnings=list(ctx.warnings))
+    for node in gm.graph.nodes:
+        layout = node.meta.get("tp_layout")
+        spec = node.meta.get("tp_rule")
+        if layout is None or spec is None or spec.rule not in SEED_RULES:
+            continue
+        path = seed_path(node)
+        if path is not None:
+            plan.modules[path] = layout.role if layout.role in SPLIT_ROLES else "replicated"
+    for seed, why in ctx.demoted.items():
+        if seed_path(seed) is not None:
+            plan.replicated[seed_path(seed)] = why
+    seen: set[int] = set()
+    for name, t in ctx.tensors.items():
+        if not isinstance(t, nn.Parameter) or id(t) in seen:
+            continue
+        seen.add(id(t))
+        sl = ctx.slice_for(name)
+        owners = [owner_path(n) for n in ctx.aliases(name)]
+        roles = [plan.modules[o] for o in owners if o in plan.modules]
+        role = next((r for r in roles if r != "replicated"), "replicated") if sl is not None else "replicated"
+        local = slice_shape(t.shape, sl, ctx.world_size)
+        tied = tuple(n for n in ctx.aliases(name) if n != name)
+        plan.parameters[name] = ParamPlan(name, role, None if sl is None else sl.dim,
+                                          None if sl is None else sl.segments, tuple(t.shape), local, tied,
+                                          None if sl is None else sl.padded, None if sl is None else sl.pieces)
+    return plan

@@ -1,0 +1,55 @@
+"""Verify pass (after propagate): the ranks' slices of every split parameter lie in bounds and tile it.
+
+It reads only what propagate decided (ctx.param_slices), so it costs a walk over the
+parameters and no tensor work. A violation is a compiler bug, never a user error, so the
+messages name the parameter and ask for a report; the way around it until then is to
+replicate the module involved. The rank graphs are checked by verify_ranks.py.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch.fx import GraphModule
+
+from tpcompile.errors import TPCompileError
+from tpcompile.passes.pass_context import PassContext, owner_path
+from tpcompile.placement import segment_ranges
+
+REPORT = "this is a tpcompile bug; please report it with the model"
+
+
+def verify_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    """Check that the ranks' slices of each split parameter lie in bounds and cover it exactly once."""
+    for name, sl in ctx.param_slices.items():
+        if sl is not None:
+            check_tiling(name, tuple(ctx.tensors[name].shape), sl, ctx.world_size)
+    return gm
+
+
+def check_tiling(name: str, shape: tuple, sl: Any, world_size: int) -> None:
+    """Raise unless the pieces of `name` along sl.dim are in bounds, disjoint, and cover it."""
+    way_out = f"{REPORT}; plan={{{owner_path(name)!r}: 'replicate'}} avoids it"
+    if not 0 <= sl.dim < len(shape):
+        raise TPCompileError(f"parameter {name} of shape {list(shape)} is split on dim {sl.dim}, which it "
+                             f"does not have; {way_out}")
+    size = shape[sl.dim]
+    full = sl.padded or size
+    if full < size or (sl.segments and sum(sl.segments) != full):
+        raise TPCompileError(f"parameter {name}: split size {full} (segments {sl.segments}) does not match its "
+                             f"dim {sl.dim} of size {size}; {way_out}")
+    pieces = sl.pieces or world_size
+    if world_size % pieces or any(s % pieces for s in (sl.segments or (full,))):
+        raise TPCompileError(f"parameter {name}: dim {sl.dim} of size {full} (segments {sl.segments}) cannot be "
+                             f"cut into {pieces} equal pieces for world size {world_size}; {way_out}")
+    covered = sorted(r for rank in range(pieces) for r in segment_ranges(full, sl.segments, rank, pieces))
+    pos = 0
+    for a, b in covered:
+        if a != pos or b > full:
+            what = "leave a gap" if a > pos else "overlap" if a < pos else "run out of bounds"
+            raise TPCompileError(f"slices of parameter {name} along dim {sl.dim} {what} at index {min(a, pos)} "
+                                 f"(pieces {covered}, size {full}); {way_out}")
+        pos = b
+    if pos != full:
+        raise TPCompileError(f"slices of parameter {name} cover {pos} of {full} along dim {sl.dim}; {way_out}")
+
+
