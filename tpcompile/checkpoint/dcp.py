@@ -105,6 +105,9 @@ def _resolve(gm: GraphModule, sharded: Any, rank: Optional[int]) -> tuple[Any, i
 
 def rank_state(gm: GraphModule, sharded: Any = None, rank: Optional[int] = None) -> dict[str, Any]:
     """Rank module's state as DCP values: whole tensors, or RankChunks of the full tensors."""
+    own = getattr(gm, "dcp_state", None)
+    if callable(own):  # a model that lays out its own chunks (tpcompile.hybrid's HybridModel)
+        return own()
     sharded, rank = _resolve(gm, sharded, rank)
     ctx, ws = sharded._ctx, sharded.world_size
     state: dict[str, Any] = {}
