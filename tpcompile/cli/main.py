@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from tpcompile.cli import demo, diff, dump, plan, verify
+from tpcompile.cli import demo, diff, dump, plan, strategy, verify
 from tpcompile.cli.common import one_line
 from tpcompile.cli.model_spec import ACCEPTED_FORMS
 from tpcompile.errors import TPCompileError
@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_parser(sub, common)
     verify.add_parser(sub, common, name="check", alias_of="verify")
     demo.add_parser(sub, common)
+    strategy.add_parser(sub, common)
     return parser
 
 

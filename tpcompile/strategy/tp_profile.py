@@ -1,0 +1,204 @@
+"""What tensor parallelism at degree t does to each block: tpcompile's own plan and rank-0 collectives, read as costs.
+
+For each degree the captured graph goes through tpcompile's passes (`shard_captured`, the
+plan shard() would make) and rank 0's graph is built; costs are read from what they wrote:
+node.meta['tp_placement'] says which matmuls and activations are split, the plan gives each
+parameter's per-rank shape, and each collective node carries its per-rank input shape
+(node.meta['tp_shape']). The passes run on the one captured graph, one degree after another;
+everything needed is copied out before the next degree overwrites the meta keys.
+
+A *unit* is what the planner may split or replicate: the module holding a group of split
+weights (an attention or MLP module, or the block itself), or a split weight module on its own
+when its parent spans several blocks (an embedding, an LM head); tied weights join their units.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from tpcompile.api import shard_captured
+from tpcompile.errors import TPCompileWarning
+from tpcompile.ops.schedule import graph_schedule
+from tpcompile.passes.pass_context import module_path
+from tpcompile.placement import Shard
+from tpcompile.strategy import node_costs as nc
+from tpcompile.strategy.profile import CAPTURE_BATCH, ModelProfile
+
+SPLIT_ROLES = ("column", "row", "vocab")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One tensor-parallel collective per microbatch: its op and its per-rank input elements per sample."""
+
+    op: str  # all_reduce | all_gather | reduce_scatter | all_gather_replicated | grad_all_reduce | scatter
+    elems: float
+
+
+@dataclass
+class Unit:
+    """A group of split weights that the planner may keep split or replicate."""
+
+    name: str
+    paths: tuple[str, ...]  # module paths to replicate (tpcompile plan= keys)
+    block: int
+    flops_full: float = 0.0  # forward matmul FLOPs per sample, unsplit
+    flops_rank: float = 0.0  # the same on one rank when split
+    moved_full: float = 0.0
+    moved_rank: float = 0.0
+    act_full: float = 0.0
+    act_rank: float = 0.0
+    params_full: int = 0
+    params_rank: int = 0
+    collectives: list[Collective] = field(default_factory=list)
+
+
+@dataclass
+class BlockTP:
+    """One block at degree t, all units split (per sample; parameters in elements)."""
+
+    flops: float = 0.0
+    moved: float = 0.0  # memory-bound elements of split values (already divided)
+    moved_whole: float = 0.0  # memory-bound elements every rank moves whole (sequence parallelism divides them)
+    act_split: float = 0.0  # activation elements that are split across the t ranks (already divided)
+    act_whole: float = 0.0  # activation elements every rank holds whole (sequence parallelism divides them)
+    params: int = 0
+    collectives: list[Collective] = field(default_factory=list)  # not in any unit
+
+
+@dataclass
+class TPProfile:
+    """The model at tensor-parallel degree t."""
+
+    degree: int
+    blocks: list[BlockTP]
+    units: list[Unit]
+    replicated: dict[str, str]  # module path -> why tpcompile itself replicated it
+
+
+def _split(p: Any) -> bool:
+    """True for a placement that splits a value across ranks (not a token split, not replicated)."""
+    ps = p if isinstance(p, tuple) else (p,)
+    return any(isinstance(x, Shard) and not x.seq for x in ps)
+
+
+def _find_units(profile: ModelProfile, sm: Any) -> tuple[list[Unit], dict[str, Unit]]:
+    """Units from the plan's split weight modules, tied weights merged; module path -> unit."""
+    modules = [m for m, role in sm.plan.modules.items() if role in SPLIT_ROLES]
+    key: dict[str, str] = {}
+    for m in modules:
+        parent = m.rpartition(".")[0]
+        inside = profile.block_of_path(m)
+        key[m] = parent if parent and inside is not None and profile.block_of_path(parent) == inside else m
+        if inside is None and len([b for b in profile.blocks]) == 1 and parent:
+            key[m] = parent  # a model without repeated layers: one unit per parent module
+    for pp in sm.plan.parameters.values():  # tied weights: one decision for all their modules
+        owners = [n.rpartition(".")[0] for n in (pp.name, *pp.tied)]
+        owners = [o for o in owners if o in key]
+        for o in owners[1:]:
+            old, new = key[o], key[owners[0]]
+            for m in key:
+                if key[m] == old:
+                    key[m] = new
+    groups: dict[str, list[str]] = {}
+    for m in modules:
+        groups.setdefault(key[m], []).append(m)
+    units: list[Unit] = []
+    by_path: dict[str, Unit] = {}
+    for name, members in groups.items():
+        paths = (name,) if all(m == name or m.startswith(name + ".") for m in members) else tuple(members)
+        block = min((_block_of(profile, m) for m in members), default=0)
+        unit = Unit(name, paths, block)
+        units.append(unit)
+        for m in members:
+            by_path[m] = unit
+        by_path[name] = unit
+    return units, by_path
+
+
+def _block_of(profile: ModelProfile, path: str) -> int:
+    """The block a module path belongs to (its repeated layer, else the block its nodes were assigned)."""
+    b = profile.block_of_path(path)
+    if b is not None:
+        return b
+    for node, block in profile.node_block.items():
+        if module_path(node) == path or module_path(node).startswith(path + "."):
+            return block
+    return 0
+
+
+def _unit_of(path: str, by_path: dict[str, Unit]) -> Any:
+    """The unit covering a module path (longest matching prefix), or None."""
+    while path:
+        if path in by_path:
+            return by_path[path]
+        path = path.rpartition(".")[0]
+    return None
+
+
+def tp_profile(profile: ModelProfile, degree: int) -> TPProfile:
+    """Run tpcompile's passes at `degree` on the captured graph and read the per-rank costs."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TPCompileWarning)
+        sm = shard_captured(profile.captured, degree)
+        rank0 = sm.rank(0)
+    units, by_path = _find_units(profile, sm)
+    blocks = [BlockTP() for _ in profile.blocks]
+    live = nc.input_dependent(sm.captured.graph.nodes)
+    per = 1.0 / CAPTURE_BATCH
+    for node, b in profile.node_block.items():
+        if node not in live or nc.is_view(node):
+            continue
+        unit = _unit_of(module_path(node), by_path)
+        split = _split(node.meta.get("tp_placement")) or any(
+            _split(a.meta.get("tp_placement")) for a in node.all_input_nodes)
+        div = degree if split else 1
+        if nc.is_matmul(node):
+            cost, field_full, field_rank, block_field = nc.matmul_flops(node) * per, "flops_full", "flops_rank", "flops"
+        else:
+            cost, field_full, field_rank, block_field = nc.moved_elements(node) * per, "moved_full", "moved_rank", "moved"
+        if block_field == "moved" and div == 1:
+            block_field = "moved_whole"
+        setattr(blocks[b], block_field, getattr(blocks[b], block_field) + cost / div)
+        if nc.is_float(node):
+            size = nc.numel(node.meta.get("val")) * per
+            if _split(node.meta.get("tp_placement")):
+                blocks[b].act_split += size / degree
+            else:
+                blocks[b].act_whole += size
+        if unit is not None:
+            setattr(unit, field_full, getattr(unit, field_full) + cost)
+            setattr(unit, field_rank, getattr(unit, field_rank) + cost / div)
+            if nc.is_float(node):
+                size = nc.numel(node.meta.get("val")) * per
+                unit.act_full += size
+                unit.act_rank += size / degree if _split(node.meta.get("tp_placement")) else size
+    for name, pp in sm.plan.parameters.items():
+        b = _block_of_param(profile, name, pp.tied)
+        full, local = math.prod(pp.global_shape), math.prod(pp.local_shape)
+        blocks[b].params += local
+        unit = _unit_of(name.rpartition(".")[0], by_path)
+        if unit is not None:
+            unit.params_full += full
+            unit.params_rank += local
+    for call, node in graph_schedule(rank0):
+        elems = math.prod(int(s) for s in call.shape if str(s).isdigit()) * per
+        source = node.args[0] if node.args and hasattr(node.args[0], "meta") else node
+        path = module_path(node) or module_path(source)
+        unit = _unit_of(path, by_path)
+        coll = Collective(call.op, elems)
+        if unit is not None:
+            unit.collectives.append(coll)
+        else:
+            blocks[_block_of(profile, path) if path else len(blocks) - 1].collectives.append(coll)
+    return TPProfile(degree, blocks, units, dict(sm.plan.replicated))
+
+
+def _block_of_param(profile: ModelProfile, name: str, tied: tuple[str, ...]) -> int:
+    """The block a parameter was assigned to when profiling (first use)."""
+    for n in (name, *tied):
+        if n in profile.param_block:
+            return profile.param_block[n]
+    return 0
