@@ -4,6 +4,7 @@ from tpcompile.errors import TPCompileError, TPCompileWarning
 from tpcompile.hybrid import init_mesh, parallelize_train  # noqa: F401  (docs/hybrid.md)
 from tpcompile.runtime.parallelize import parallelize
 from tpcompile.runtime.simulator import simulate, simulate_ranks
+from tpcompile.strategy import plan_parallel  # noqa: F401  (docs/strategy.md)
 
 __all__ = ["shard", "parallelize", "ShardedModel", "simulate", "simulate_ranks", "TPCompileError",
            "TPCompileWarning"]
