@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import random
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -150,14 +151,32 @@ def run_workload(wl: Workload, rank: int, ws: int, reps: int, train_reps: int, w
 
 
 def _no_grad(module: Callable, inputs: tuple) -> Any:
-    """module(*inputs) without autograd."""
+    """module(*inputs) without autograd, its collectives finished."""
     with torch.no_grad():
-        return module(*inputs)
+        return _settled(module(*inputs))
+
+
+def _settled(out: Any) -> Any:
+    """out with every pending functional collective waited for.
+
+    DTensor hands back the result of its last all-reduce unwaited (an AsyncCollectiveTensor); a
+    forward whose output nobody reads would leave it in flight, outside the timing and still
+    registered when the process ends, where torch warns about "unwaited collective calls".
+    """
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    if isinstance(out, AsyncCollectiveTensor):
+        return out.wait()
+    if isinstance(out, (tuple, list)):
+        return type(out)(_settled(o) for o in out)
+    return out
 
 
 def rank_main(rank: int, ws: int, specs: list[tuple[str, dict]], reps: int, train_reps: int,
               warmup: int) -> dict:
     """Entry point of a rank process (tpcompile.runtime.launch); specs name workload factories."""
+    # torch's own deprecation, raised inside copy.deepcopy of its tree specs; nothing a reader can act on
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
     out = {}
     for name, kwargs in specs:
         wl = WORKLOADS[name](**kwargs)

@@ -1,7 +1,8 @@
 """Benchmark tpcompile against one process, hand-written Megatron TP, DTensor and _tp_transform, in one run.
 
 Run from the repository root:  .venv/bin/python -m bench   (or python bench/run.py)
-Writes bench/results/latest.json, latest.md, latency.png and compile_time.png.
+Writes bench/results/latest.json, latest.md, latency.png and compile_time.png; a smoke run (--tiny)
+writes them to a temporary folder instead, so it never replaces the published results.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -132,20 +135,31 @@ def targets(mlp: dict[str, Any], compile_time: dict[str, Any]) -> list[dict[str,
     return rows
 
 
+RESULTS = ROOT / "bench" / "results"
+SMOKE_RESULTS = Path(tempfile.gettempdir()) / "tpcompile-bench-smoke"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run everything, write the four outputs, print the tables."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--out-dir", type=Path, default=None,
+                    help=f"where the results go (default {RESULTS.relative_to(ROOT)}; with --tiny {SMOKE_RESULTS})")
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--backend", choices=BACKENDS, default="auto",
                     help="auto: nccl (one GPU per rank) when there are enough GPUs, else gloo on the CPU")
-    ap.add_argument("--tiny", action="store_true", help="seconds-long smoke configuration")
+    ap.add_argument("--tiny", action="store_true",
+                    help="smoke run: tiny models, a few repetitions; checks that everything runs, times nothing "
+                         "worth reading, and writes outside bench/results")
     ap.add_argument("--reps", type=int, help="timed forwards per contender")
     ap.add_argument("--train-reps", type=int, help="timed training steps per contender")
     ap.add_argument("--models", help="comma-separated subset of: " + ", ".join(WORKLOADS))
     ap.add_argument("--readme", action="store_true", help="also copy the table into README.md")
     ap.add_argument("--from-json", type=Path, help="measure nothing: redraw the outputs from a saved latest.json")
     args = ap.parse_args(argv)
+    if args.tiny and args.readme:
+        ap.error("--readme publishes the results in README.md; a --tiny smoke run is not one to publish")
+    if args.out_dir is None:
+        args.out_dir = SMOKE_RESULTS if args.tiny else RESULTS
     cfg = dict(TINY if args.tiny else FULL)
     cfg["reps"] = args.reps or cfg["reps"]
     cfg["train_reps"] = args.train_reps or cfg["train_reps"]
@@ -161,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     except TPCompileError as e:
         print(f"bench: error: {e}", file=sys.stderr)
         return 2
+    # torch's own deprecation inside copy.deepcopy of its tree specs (rank processes filter it in rank_main)
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning)
     wall = time.perf_counter()
     load_start = list(os.getloadavg())  # other work on the machine: the report states it
     timing = (cfg["layers"], 8, cfg["repeats"], cfg["shape"])
@@ -198,13 +215,27 @@ def write_outputs(result: dict[str, Any], out_dir: Path, readme: bool) -> int:
     (out_dir / "latest.json").write_text(json.dumps(result, indent=1) + "\n")
     text = render(result)
     (out_dir / "latest.md").write_text(text)
-    print("\n".join(line for line in text.splitlines() if line.startswith("|")))
-    print(f"\nwrote {out_dir}/latest.json, latest.md, latency.png, compile_time.png "
+    print(terminal_text(text))
+    kind = "smoke run (--tiny): numbers not comparable with a full run; " if result.get("tiny") else ""
+    print(f"\n{kind}wrote {out_dir}/latest.json, latest.md, latency.png, compile_time.png "
           f"(measured in {result['wall_s']:.0f} s)")
     if readme:
         from bench.update_readme import main as update_readme
         return update_readme()
     return 0
+
+
+def terminal_text(report: str) -> str:
+    """The report's headings, notes and tables for the terminal: each table under the name of what it measured,
+    without the method section and picture links."""
+    keep = []
+    for line in report.split("## How it is measured")[0].splitlines():
+        if line.startswith("!["):
+            continue
+        if line.startswith("#") and keep:
+            keep.append("")
+        keep.append(line.lstrip("# ") if line.startswith("#") else line)
+    return "\n".join(line for k, line in enumerate(keep) if line or (k and keep[k - 1])).strip()
 
 
 if __name__ == "__main__":

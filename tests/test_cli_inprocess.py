@@ -112,8 +112,17 @@ def test_verify_mismatch_exits_1(capsys: pytest.CaptureFixture[str], models: Pat
     assert main(["verify", f"{models}:Noisy", "-w", "2"]) == 1
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[1].startswith("output (2x8): max |diff| ")
-    assert float(lines[1].split("max |diff| ")[1].split()[0]) > 0.1  # unit-variance noise, not rounding
-    assert lines[-1].startswith("FAIL: max |diff| ") and "> 1e-05" in lines[-1]
+    assert float(lines[1].split("max |diff| ")[1].split(",")[0]) > 0.1  # unit-variance noise, not rounding
+    assert lines[-1].startswith("FAIL: max |diff| ") and "= atol 1e-05 + rtol 1.3e-06 x max |output| " in lines[-1]
+
+
+@pytest.mark.parametrize("command", ["verify", "plan", "dump", "diff", "demo"])
+def test_every_command_needs_inputs(capsys: pytest.CaptureFixture[str], models: Path, command: str) -> None:
+    """A model without example_inputs() and no --inputs: one line saying what to pass, before any sharding."""
+    assert main([command, f"{models}:NoExamples"]) == 2
+    line = _one_error_line(capsys, f"error: {command} needs inputs and ")
+    assert "NoExamples.forward(x: torch.Tensor)" in line
+    assert "e.g. --inputs 2x8 (its first layer fc is a Linear of 8 inputs)" in line
 
 
 def test_verify_needs_inputs(capsys: pytest.CaptureFixture[str], models: Path) -> None:

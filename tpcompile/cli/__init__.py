@@ -1,5 +1,4 @@
 """The `tpcompile` command line: plan, dump, diff, verify (alias check) and demo, one module each."""
-from tpcompile.cli.common import max_abs_diff
 from tpcompile.cli.main import build_parser, main
 
-__all__ = ["build_parser", "main", "max_abs_diff"]
+__all__ = ["build_parser", "main"]

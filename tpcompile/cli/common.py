@@ -2,24 +2,26 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import io
-import math
 import shutil
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from rich.console import Console
 from torch import nn
 
-from tpcompile.cli.inputs import SPEC_HELP, describe_inputs, inputs_from_specs, parse_input_spec
+from tpcompile.cli.failures import explain_capture_failure
+from tpcompile.cli.inputs import (SPEC_HELP, check_specs, describe_inputs, inputs_from_specs, parse_input_spec,
+                                  suggest_inputs)
 from tpcompile.cli.model_spec import ACCEPTED_FORMS, load_model
 from tpcompile.cli.progress import note, step
 from tpcompile.errors import TPCompileError
+from tpcompile.report.wording import short_warning
 
 CAPTURE_SEED = 0
 
@@ -63,9 +65,13 @@ def parse_config(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """MODEL and the flags every model subcommand takes."""
-    p.add_argument("model", metavar="MODEL", help=ACCEPTED_FORMS)
+def add_model_args(p: argparse.ArgumentParser, *, default_model: str | None = None) -> None:
+    """MODEL (optional when there is a default) and the flags every model subcommand takes."""
+    if default_model is None:
+        p.add_argument("model", metavar="MODEL", help=ACCEPTED_FORMS)
+    else:
+        p.add_argument("model", metavar="MODEL", nargs="?", default=default_model,
+                       help=f"{ACCEPTED_FORMS} (default {default_model})")
     p.add_argument("-w", "--world-size", type=world_size, default=2, metavar="N", help="number of ranks (default 2)")
     p.add_argument("--inputs", action="append", default=[], metavar="SPEC",
                    help=f"one per positional input, in order: {SPEC_HELP} (default: the model's example inputs)")
@@ -96,35 +102,63 @@ class Loaded:
 
 
 def load(ns: argparse.Namespace) -> Loaded:
-    """Resolve MODEL with --config, and the example inputs from --inputs or the model."""
+    """Resolve MODEL with --config, and the example inputs from --inputs or the model; refuse before any
+    sharding when there are none, or when --inputs do not fit the model."""
     specs = [parse_input_spec(s) for s in ns.inputs]  # checked before the slow part
     config = parse_config(ns.config)
     with step(f"loading {ns.model}"):
         model, args, kwargs = load_model(ns.model, config)
+    name = f"{type(model).__name__} ({ns.model})"
     if specs:
+        check_specs(ns.inputs, specs, model, name, args, kwargs)
         args, kwargs = inputs_from_specs(specs, model, args, kwargs, CAPTURE_SEED)
+    elif not args and not kwargs:
+        raise TPCompileError(
+            f"{ns.command} needs inputs and {ns.model} has no example_inputs(); pass --inputs SHAPE[:DTYPE] once "
+            f"per positional argument of {type(model).__name__}.forward{_signature(model)}, e.g. "
+            f"{suggest_inputs(model)}, or give the model an example_inputs() method")
     return Loaded(ns.model, model, args, kwargs)
 
 
-def shard(ns: argparse.Namespace, loaded: Loaded) -> Any:
-    """Capture and shard the model; each TPCompileWarning becomes one 'warning:' line on stderr."""
+def _signature(model: nn.Module) -> str:
+    """forward's parameters as written, '(...)' when Python cannot tell."""
+    try:
+        return str(inspect.signature(model.forward))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+def load_plan(ns: argparse.Namespace) -> Any:
+    """The --plan file's overrides, or None."""
+    if not getattr(ns, "plan", None):
+        return None
+    from tpcompile.overrides import load_overrides
+    return load_overrides(ns.plan)
+
+
+def shard(ns: argparse.Namespace, loaded: Loaded, *, show_warnings: bool = True) -> Any:
+    """Capture and shard the model; each TPCompileWarning becomes one 'warning:' line on stderr (in full
+    with --debug), unless the command lists them itself."""
     import tpcompile
 
-    plan = None
-    if getattr(ns, "plan", None):
-        from tpcompile.overrides import load_overrides
-        plan = load_overrides(ns.plan)
+    plan = load_plan(ns)
     with step(f"capturing {loaded.name} and sharding it across {ns.world_size} ranks"):
         with warnings.catch_warnings(record=True) as caught, quiet_stderr(not ns.debug):
             warnings.simplefilter("always", tpcompile.TPCompileWarning)
-            sm = tpcompile.shard(loaded.model, ns.world_size, example_inputs=loaded.args,
-                                 example_kwargs=loaded.kwargs, plan=plan,
-                                 sequence_parallel=ns.sequence_parallel)
+            try:
+                sm = tpcompile.shard(loaded.model, ns.world_size, example_inputs=loaded.args,
+                                     example_kwargs=loaded.kwargs, plan=plan,
+                                     sequence_parallel=ns.sequence_parallel)
+            except TPCompileError as exc:
+                raise explain_capture_failure(exc, loaded.model, loaded.name, loaded.args, loaded.kwargs,
+                                              loaded.inputs) from exc
+    shown: set[str] = set()
     for w in caught:
-        if issubclass(w.category, tpcompile.TPCompileWarning):
-            note(f"warning: {one_line(str(w.message))}")
-        else:  # not ours: pass it on unchanged
+        if not issubclass(w.category, tpcompile.TPCompileWarning):  # not ours: pass it on unchanged
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+        elif show_warnings and str(w.message) not in shown:
+            shown.add(str(w.message))
+            note(f"warning: {one_line(str(w.message)) if ns.debug else short_warning(str(w.message))}")
     return sm
 
 
@@ -147,26 +181,6 @@ def quiet_stderr(enabled: bool) -> Iterator[None]:
 def one_line(text: str) -> str:
     """A possibly multi-line message on one line."""
     return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
-
-
-def leaves(value: Any, path: str = "output") -> list[tuple[str, torch.Tensor]]:
-    """(path, tensor) for every tensor in a nest of tuples, lists and mappings (model output classes too)."""
-    if isinstance(value, torch.Tensor):
-        return [(path, value)]
-    if isinstance(value, Mapping):
-        return [x for k, v in value.items() for x in leaves(v, f"{path}.{k}" if path != "output" else str(k))]
-    if isinstance(value, (tuple, list)):
-        return [x for i, v in enumerate(value) for x in leaves(v, f"{path}[{i}]")]
-    return []
-
-
-def max_abs_diff(expected: Any, actual: Any) -> float:
-    """Largest absolute elementwise difference over all tensors of two output structures."""
-    exp, act = [t for _, t in leaves(expected)], [t for _, t in leaves(actual)]
-    if len(exp) != len(act) or any(e.shape != a.shape for e, a in zip(exp, act)):
-        return math.inf
-    return max((float((e.detach().float() - a.detach().float()).abs().max()) for e, a in zip(exp, act)
-                if e.numel()), default=0.0)
 
 
 def stdout_console() -> Console:

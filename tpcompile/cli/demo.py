@@ -7,31 +7,29 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 import tpcompile
-from tpcompile.cli.common import max_abs_diff, parse_config, world_size
+from tpcompile.cli.common import add_model_args, load, load_plan, parse_config, shard, world_size
+from tpcompile.cli.compare import check_outputs
 from tpcompile.cli.model_spec import load_model
+from tpcompile.cli.verify import verdict
 from tpcompile.report.units import format_bytes
-
-DEMO_TOLERANCE = 1e-5
 
 
 def add_parser(sub: argparse._SubParsersAction, parent: argparse.ArgumentParser) -> None:
     """Register the subcommand."""
     p = sub.add_parser("demo", parents=[parent], help="shard a model and run every rank as a real process",
                        description="Shard MODEL (default: the bundled GPT), print the plan summary, run every "
-                                   "rank as a real torch.distributed process, and compare each rank's output, "
-                                   "collectives and time with the unsharded model.")
-    p.add_argument("model", metavar="MODEL", nargs="?", default=None,
-                   help="a MODEL string (default gpt); see tpcompile plan --help")
-    p.add_argument("--world-size", "-w", type=world_size, default=2, metavar="N")
+                                   "rank as a real torch.distributed process on the example inputs (or "
+                                   "--inputs), and compare each rank's output, collectives and time with the "
+                                   "unsharded model (within the tolerance verify uses).")
+    add_model_args(p, default_model="gpt")
     p.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)  # older spelling
-    p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--backend", default="gloo")
-    p.add_argument("--repeats", type=world_size, default=10, help="timed runs per measurement")
+    p.add_argument("--backend", default="gloo", help="torch.distributed backend of the rank processes (gloo)")
+    p.add_argument("--repeats", type=world_size, default=10, help="timed runs per measurement (default 10)")
     p.set_defaults(func=run)
 
 
@@ -53,15 +51,21 @@ def _threads_per_rank(world_size: int) -> int:
 
 
 def _demo_rank(rank: int, spec: str, config: dict, state: dict, args: tuple, kwargs: dict, world_size: int,
-               repeats: int) -> dict[str, Any]:
+               repeats: int, plan: Optional[dict], sequence_parallel: bool) -> dict[str, Any]:
     """Child process body: rebuild the model with the parent's weights, shard it, run this rank, report."""
+    import warnings
+
     from tpcompile.ops.collectives import FORWARD_COLLECTIVES, record
 
     torch.set_num_threads(_threads_per_rank(world_size))
     model, _, _ = load_model(spec, config)
     # A user's model may initialise (and draw its example inputs) at random: use the parent's exactly.
     model.load_state_dict(state)
-    gm = tpcompile.shard(model, world_size, example_inputs=args, example_kwargs=kwargs).rank(rank)
+    with warnings.catch_warnings():  # the parent has shown them once already
+        warnings.simplefilter("ignore", tpcompile.TPCompileWarning)
+        sm = tpcompile.shard(model, world_size, example_inputs=args, example_kwargs=kwargs, plan=plan,
+                             sequence_parallel=sequence_parallel)
+    gm = sm.rank(rank)
     with torch.no_grad():
         with record() as events:
             output = gm(*args, **kwargs)
@@ -76,13 +80,13 @@ def run(ns: argparse.Namespace) -> int:
     """Shard, launch the ranks, compare; 0 when every rank matches the unsharded model."""
     from tpcompile.runtime import launch
 
-    ws, spec = ns.world_size, ns.model or ns.model_flag or "gpt"
-    config = parse_config(ns.config)
-    print(f"building model {spec!r}...", flush=True)
-    model, args, kwargs = load_model(spec, config)
-    print(f"capturing and sharding across {ws} ranks...", flush=True)
-    sm = tpcompile.shard(model, ws, example_inputs=args, example_kwargs=kwargs)
+    ns.model = ns.model_flag or ns.model
+    ws = ns.world_size
+    loaded = load(ns)  # refuses a model without inputs before anything runs
+    print(f"capturing and sharding {loaded.name} across {ws} ranks...", flush=True)
+    sm = shard(ns, loaded)
     print(sm.summary(), flush=True)
+    model, args, kwargs = loaded.model, loaded.args, loaded.kwargs
     # The reference runs on as many threads as one rank gets, so the timings compare like with like.
     threads = torch.get_num_threads()
     torch.set_num_threads(_threads_per_rank(ws))
@@ -93,24 +97,23 @@ def run(ns: argparse.Namespace) -> int:
     finally:
         torch.set_num_threads(threads)
     print(f"launching {ws} {ns.backend} processes...", flush=True)
-    results = launch(ws, _demo_rank, spec, config, model.state_dict(), args, kwargs, ws, ns.repeats,
-                     backend=ns.backend)
-    worst = 0.0
+    results = launch(ws, _demo_rank, ns.model, parse_config(ns.config), model.state_dict(), args, kwargs, ws,
+                     ns.repeats, load_plan(ns), ns.sequence_parallel, backend=ns.backend)
+    checks = check_outputs(expected, [res["output"] for res in results], sm)
     print(f"\nper-rank results ({_threads_per_rank(ws)} threads per process, median of {ns.repeats} runs):")
     print(f"  unsharded forward: {base_ms:.3f} ms")
     for res in results:
-        diff = max_abs_diff(expected, res["output"])
-        worst = max(worst, diff)
+        r = res["rank"]
+        diff = max((c.diffs[r] for c in checks), default=0.0)
         counts = Counter(f"{op} ({phase})" for op, phase, _, _ in res["collectives"])
         nbytes = sum(n for _, _, n, _ in res["collectives"])
         listed = ", ".join(f"{k} x{v}" for k, v in counts.items()) or "none"
-        print(f"  rank {res['rank']}: forward {res['ms']:.3f} ms ({res['ms'] / base_ms:.2f}x unsharded), "
+        print(f"  rank {r}: forward {res['ms']:.3f} ms ({res['ms'] / base_ms:.2f}x unsharded), "
               f"max |diff| {diff:.2e}")
         print(f"    collectives: {len(res['collectives'])}, {format_bytes(nbytes)} moved: {listed}")
     if results and min(r["ms"] for r in results) > base_ms:
         print("  (small models: a rank's time is mostly the latency of its collectives)")
-    if worst > DEMO_TOLERANCE:
-        print(f"FAIL: sharded output differs from the unsharded model by {worst:.2e} > {DEMO_TOLERANCE:.0e}")
-        return 1
-    print(f"OK: all {ws} ranks match the unsharded model (max |diff| {worst:.2e} <= {DEMO_TOLERANCE:.0e})")
-    return 0
+    ok, numbers = verdict(checks, ws)
+    print(f"OK: all {ws} ranks match the unsharded model: {numbers}" if ok else
+          f"FAIL: the sharded output differs from the unsharded model: {numbers}")
+    return 0 if ok else 1

@@ -53,13 +53,58 @@ def parse_input_spec(text: str) -> InputSpec:
     return InputSpec(shape, kind, None if high is None else int(high))
 
 
+def first_embedding(model: nn.Module) -> Optional[tuple[str, nn.Embedding]]:
+    """The first nn.Embedding and its path: the token embedding in the usual layouts (positions come after it)."""
+    return next(((name, m) for name, m in model.named_modules() if isinstance(m, nn.Embedding)), None)
+
+
+def first_layer(model: nn.Module) -> Optional[tuple[str, nn.Module]]:
+    """The first module holding parameters of its own, and its path."""
+    return next(((name, m) for name, m in model.named_modules() if list(m.parameters(recurse=False))), None)
+
+
+def check_specs(texts: list[str], specs: list[InputSpec], model: nn.Module, name: str, example_args: tuple,
+                example_kwargs: dict) -> None:
+    """Refuse, before anything runs, --inputs the model cannot take: floats where it takes token ids,
+    ids beyond its vocabulary."""
+    likes = list(example_args) + [v for v in example_kwargs.values() if isinstance(v, torch.Tensor)]
+    layer, emb = first_layer(model), first_embedding(model)
+    for i, (text, spec) in enumerate(zip(texts, specs)):
+        like = likes[i] if i < len(likes) else None
+        integer_like = isinstance(like, torch.Tensor) and not like.is_floating_point() and like.dtype != torch.bool
+        if spec.dtype.is_floating_point:
+            why = None
+            if integer_like:
+                why = f"its example input {i + 1} is {str(like.dtype).removeprefix('torch.')}"
+            elif like is None and i == 0 and layer is not None and isinstance(layer[1], nn.Embedding):
+                why = f"its first layer {layer[0]} is an Embedding"
+            if why is not None:
+                dims = "x".join(map(str, spec.shape))
+                raise TPCompileError(f"--inputs {text!r} gives {str(spec.dtype).removeprefix('torch.')} values, but "
+                                     f"{name} takes integer token ids there ({why}); write --inputs {dims}:long")
+        if i == 0 and spec.high is not None and emb is not None and spec.high > emb[1].num_embeddings:
+            path, rows = emb[0], emb[1].num_embeddings
+            raise TPCompileError(f"--inputs {text!r} draws token ids up to {spec.high - 1}, but {name}'s first "
+                                 f"embedding {path} has {rows} rows (ids 0..{rows - 1}); use --inputs "
+                                 f"{text.strip().rpartition(':')[0]}:{rows} or leave out the bound")
+
+
+def suggest_inputs(model: nn.Module) -> str:
+    """An --inputs example for a model without example inputs, read off its first layer."""
+    layer = first_layer(model)
+    if layer is not None and isinstance(layer[1], nn.Embedding):
+        return f"--inputs 2x8:long (its first layer {layer[0]} is an Embedding of {layer[1].num_embeddings} rows)"
+    if layer is not None and isinstance(layer[1], nn.Linear):
+        return f"--inputs 2x{layer[1].in_features} (its first layer {layer[0]} is a Linear of {layer[1].in_features} inputs)"
+    return "--inputs 2x16:long for token ids, --inputs 4x64 for float features"
+
+
 def _default_high(model: nn.Module, like: Any) -> int:
     """Integer inputs are drawn below this: the example input's max + 1, else the first embedding's size, else 2."""
     if isinstance(like, torch.Tensor) and not like.is_floating_point() and like.numel():
         return int(like.max()) + 1
-    # the first embedding is the token embedding in the usual layouts (positions come after it)
-    vocab = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
-    return vocab[0] if vocab else 2
+    emb = first_embedding(model)
+    return emb[1].num_embeddings if emb is not None else 2
 
 
 def make_input(spec: InputSpec, model: nn.Module, like: Any, gen: torch.Generator) -> torch.Tensor:

@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+import torch
+
 from tpcompile.cli import demo, diff, dump, plan, strategy, verify
 from tpcompile.cli.common import one_line
+from tpcompile.cli.failures import shadowing_folder, shadowing_message
 from tpcompile.cli.model_spec import ACCEPTED_FORMS
 from tpcompile.errors import TPCompileError
 
@@ -29,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tpcompile", parents=[common],
                      description="Automatic tensor parallelism for PyTorch models: see what the compiler does "
                                  "to every rank, and check it.", epilog=f"MODEL is one of: {ACCEPTED_FORMS}")
+    parser.add_argument("--version", action="version", version=f"tpcompile {version()} (torch {torch.__version__})")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     plan.add_parser(sub, common)
     dump.add_parser(sub, common)
@@ -40,16 +45,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def version() -> str:
+    """The installed distribution's version, else the package's own."""
+    try:
+        return importlib.metadata.version("tpcompile")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree without installing
+        import tpcompile
+        return str(getattr(tpcompile, "__version__", "unknown"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line and return the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    folder = shadowing_folder()
+    if folder is not None:  # nothing below would work: say why instead of an AttributeError
+        print(shadowing_message(folder), file=sys.stderr)
+        return EXIT_ERROR
     try:
         ns = build_parser().parse_args(argv)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else EXIT_ERROR
     if not ns.debug:
-        # torch logs its own warnings while export fails or guesses; the one-line error says what matters
-        logging.disable(logging.WARNING)
+        # torch logs warnings and errors (a failed fake-tensor run) while export fails or guesses; the
+        # one-line error says what matters
+        logging.disable(logging.CRITICAL)
     try:
         return ns.func(ns)
     except KeyboardInterrupt:

@@ -67,8 +67,9 @@ def load_model(spec: str, config: dict[str, Any] | None = None) -> tuple[nn.Modu
     source, name = spec.rsplit(":", 1)
     if not source or not name:
         raise TPCompileError(f"cannot resolve model {spec!r}; accepted forms: {ACCEPTED_FORMS}")
-    module = _import_file(spec, Path(source)) if source.endswith(".py") else _import_module(spec, source)
-    model = _instantiate(spec, _getattr_path(spec, module, name), config)
+    is_file = source.endswith(".py")
+    module = _import_file(spec, Path(source)) if is_file else _import_module(spec, source)
+    model = _instantiate(spec, _getattr_path(spec, module, name, Path(source).name if is_file else source), config)
     return (model, *example_inputs_of(model, spec))
 
 
@@ -165,15 +166,28 @@ def _import_module(spec: str, dotted: str) -> Any:
                              f"{type(exc).__name__}: {exc}; accepted forms: {ACCEPTED_FORMS}") from exc
 
 
-def _getattr_path(spec: str, module: Any, name: str) -> Any:
-    """Follow a possibly dotted attribute name from a module."""
+def _getattr_path(spec: str, module: Any, name: str, where: str) -> Any:
+    """Follow a possibly dotted attribute name from a module (`where`: the file or module as the user named it)."""
     obj = module
     for part in name.split("."):
         if not hasattr(obj, part):
-            raise TPCompileError(f"cannot resolve model {spec!r}: {getattr(obj, '__name__', obj)!s} "
-                                 f"has no attribute {part!r}")
+            owner = where if obj is module else f"{where}:{name.rpartition(part)[0].rstrip('.')}"
+            raise TPCompileError(f"cannot resolve model {spec!r}: {owner} has no {part!r}; "
+                                 f"{_candidates(obj, part)}")
         obj = getattr(obj, part)
     return obj
+
+
+def _candidates(obj: Any, missing: str) -> str:
+    """What could be meant: the models, classes and functions `obj` defines itself, nearest first."""
+    home = getattr(obj, "__name__", None)
+    names = sorted(n for n, v in vars(obj).items() if not n.startswith("_") and (
+        isinstance(v, nn.Module) or (callable(v) and getattr(v, "__module__", None) == home)))
+    if not names:
+        return "it defines no nn.Module, class or function"
+    close = difflib.get_close_matches(missing, names, n=3)
+    listed = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
+    return (f"did you mean {', '.join(close)}? " if close else "") + f"it defines: {listed}"
 
 
 def _instantiate(spec: str, obj: Any, config: dict[str, Any] | None = None) -> nn.Module:

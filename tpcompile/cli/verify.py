@@ -2,17 +2,15 @@
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 
 import tpcompile
-from tpcompile.cli.common import add_model_args, leaves, load, shard, stdout_console
+from tpcompile.cli.common import add_model_args, load, shard, stdout_console
+from tpcompile.cli.compare import OutputCheck, check_outputs
 from tpcompile.cli.inputs import inputs_from_specs, parse_input_spec, random_like
 from tpcompile.cli.progress import step
-from tpcompile.errors import TPCompileError
 
-DEFAULT_TOL = 1e-5
 VERIFY_SEED = 1  # not the capture seed: the graphs must hold for inputs they were not captured with
 
 
@@ -24,20 +22,42 @@ def add_parser(sub: argparse._SubParsersAction, parent: argparse.ArgumentParser,
                        "simulate every rank on random inputs and compare with the original model",
                        description="Shard MODEL, draw random inputs of the --inputs shapes (or the example "
                                    "inputs' shapes), run all ranks in the in-process simulator and the original "
-                                   "model, print the largest absolute difference per output, exit 1 when one "
-                                   "exceeds --tol.")
+                                   "model, print the largest absolute and relative difference per output, exit 1 "
+                                   "when one exceeds atol + rtol * max|output| (torch.testing.assert_close's "
+                                   "defaults for the output's dtype: 1e-5 and 1.3e-6 for float32).")
     add_model_args(p)
-    p.add_argument("--tol", type=float, default=DEFAULT_TOL, help=f"largest allowed |difference| ({DEFAULT_TOL:g})")
+    p.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: by dtype, 1e-5 for float32)")
+    p.add_argument("--rtol", type=float, default=None,
+                   help="tolerance relative to the largest |value| of the output (default: by dtype, 1.3e-6 for "
+                        "float32)")
+    p.add_argument("--tol", dest="atol", type=float, help=argparse.SUPPRESS)  # older spelling of --atol
     p.add_argument("--seed", type=int, default=VERIFY_SEED, help="seed of the random inputs")
     p.set_defaults(func=run)
 
 
+def describe(check: OutputCheck) -> str:
+    """'logits (2x16x256): max |diff| 1.8e-07, relative 1.6e-07, allowed 1.1e-05 (rank 0 1.79e-07, ...)'."""
+    shape = "x".join(map(str, check.shape)) or "scalar"
+    split = f"; each rank holds a slice, {check.split}, compared with that slice of the original" if check.split else ""
+    ranks = ", ".join(f"rank {r} {d:.2e}" for r, d in enumerate(check.diffs))
+    return (f"{check.path} ({shape}{split}): max |diff| {check.worst:.2e}, relative {check.relative:.1e}, "
+            f"allowed {check.allowed:.1e} ({ranks})")
+
+
+def verdict(checks: list[OutputCheck], world_size: int) -> tuple[bool, str]:
+    """Whether every output is within its tolerance, and the numbers of the one nearest to (or furthest past) it."""
+    ok = all(c.ok for c in checks)
+    if not checks:
+        return ok, f"no tensor outputs to compare over {world_size} ranks"
+    worst = max(checks, key=lambda c: c.worst / c.allowed if c.allowed else (0.0 if c.worst == 0 else float("inf")))
+    return ok, (f"max |diff| {worst.worst:.2e} {'<=' if worst.ok else '>'} {worst.allowed:.2e} = atol {worst.atol:g} "
+                f"+ rtol {worst.rtol:g} x max |output| {worst.scale:.3g} ({worst.path}) over {world_size} ranks and "
+                f"{len(checks)} outputs")
+
+
 def run(ns: argparse.Namespace) -> int:
-    """Compare every rank with the original; 0 when all outputs agree within --tol, else 1."""
+    """Compare every rank with the original; 0 when all outputs agree within tolerance, else 1."""
     loaded = load(ns)
-    if not loaded.args and not loaded.kwargs:
-        raise TPCompileError(f"verify needs inputs and {ns.model} has no example_inputs(); pass --inputs "
-                             "SHAPE:DTYPE per positional input, e.g. --inputs 2x16:long")
     sm = shard(ns, loaded)
     if ns.inputs:
         specs = [parse_input_spec(s) for s in ns.inputs]
@@ -49,34 +69,15 @@ def run(ns: argparse.Namespace) -> int:
             sm.rank(r)
     with torch.no_grad():
         with step("running the original model"):
-            expected = leaves(loaded.model(*args, **kwargs))
+            expected = loaded.model(*args, **kwargs)
         with step(f"simulating {ns.world_size} ranks"):
-            outputs = [leaves(o) for o in tpcompile.simulate(sm, *args, **kwargs)]
+            outputs = tpcompile.simulate(sm, *args, **kwargs)
+    checks = check_outputs(expected, outputs, sm, atol=ns.atol, rtol=ns.rtol)
     console = stdout_console()
-    console.print(f"verify {loaded.name} at world size {ns.world_size} on random inputs "
-                  f"({loaded.inputs}, seed {ns.seed})", highlight=False, markup=False, soft_wrap=True)
-    worst = 0.0
-    for k, (path, ref) in enumerate(expected):
-        per_rank = [_diff(ref, out[k][1] if k < len(out) else None) for out in outputs]
-        worst = max([worst, *per_rank])
-        ranks = ", ".join(f"rank {r} {d:.2e}" for r, d in enumerate(per_rank))
-        shape = "x".join(map(str, ref.shape)) or "scalar"
-        console.print(f"{path} ({shape}): max |diff| {max(per_rank, default=0.0):.2e} ({ranks})",
-                      highlight=False, markup=False, soft_wrap=True)
-    if any(len(o) != len(expected) for o in outputs):
-        worst = math.inf
-        console.print("output structure differs from the original's", highlight=False, markup=False)
-    ok = worst <= ns.tol
-    verdict = "OK" if ok else "FAIL"
-    console.print(f"{verdict}: max |diff| {worst:.2e} {'<=' if ok else '>'} {ns.tol:.0e} over "
-                  f"{ns.world_size} ranks and {len(expected)} outputs", highlight=False, markup=False, soft_wrap=True)
+    say = lambda text: console.print(text, highlight=False, markup=False, soft_wrap=True)  # noqa: E731
+    say(f"verify {loaded.name} at world size {ns.world_size} on random inputs ({loaded.inputs}, seed {ns.seed})")
+    for check in checks:
+        say(describe(check))
+    ok, numbers = verdict(checks, ns.world_size)
+    say(f"{'OK' if ok else 'FAIL'}: {numbers}")
     return 0 if ok else 1
-
-
-def _diff(ref: torch.Tensor, got: torch.Tensor | None) -> float:
-    """Largest absolute difference of two tensors; infinite when missing or shaped differently."""
-    if got is None or got.shape != ref.shape:
-        return math.inf
-    if not ref.numel():
-        return 0.0
-    return float((ref.detach().double() - got.detach().double()).abs().max())

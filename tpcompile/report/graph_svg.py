@@ -20,7 +20,7 @@ STYLE: dict[str, tuple[str, str, str, str]] = {
 }
 STYLE["output"] = STYLE["input"]
 CHAR_W, LINE_H, MAX_CHARS = 6.6, 12.0, 28
-LEGEND_H = 44.0
+LEGEND_H = 72.0
 LANE = 40.0  # room between columns for edges that skip rows
 
 
@@ -45,8 +45,12 @@ def _labels(info: NodeInfo) -> tuple[str, str]:
 
 
 def _cut(text: str) -> str:
-    """Text at most MAX_CHARS long, an ellipsis marking a cut."""
-    return text if len(text) <= MAX_CHARS else text[: MAX_CHARS - 1] + "\u2026"
+    """Text at most MAX_CHARS long, an ellipsis in the middle marking a cut: both ends of a name tell most
+    ('transformer_h…c_attn_weight')."""
+    if len(text) <= MAX_CHARS:
+        return text
+    head = (MAX_CHARS - 1) // 2
+    return text[:head] + "\u2026" + text[len(text) - (MAX_CHARS - 1 - head):]
 
 
 def _box(p: Placed) -> str:
@@ -90,9 +94,20 @@ def _edge(a: Placed, b: Placed) -> str:
     return f'<path d="M{x1:.1f},{y1:.1f} {curve}" {style}/>'
 
 
-def _legend(title: str, kinds: set[str]) -> list[str]:
-    """The title and one swatch per kind present in the graph."""
+def legend_notes(hidden: Sequence[str]) -> list[str]:
+    """The lines under the swatches: how to read a box's labels, and the nodes left out."""
+    lines = ["R: whole on every rank; S(d): split along dim d (|a+b: per segment, ~N: padded to N)",
+             "\u2026 marks a shortened name: hover a box for all of it"]
+    if hidden:
+        lines[1] += f"; not drawn, as nothing uses them: {', '.join(hidden)}"
+    return lines
+
+
+def _legend(title: str, kinds: set[str], hidden: Sequence[str]) -> list[str]:
+    """The title, one swatch per kind present in the graph, how to read the labels, and what is not drawn."""
     out = [f'<text x="8" y="16" text-anchor="start" font-weight="bold" font-size="13">{escape(title)}</text>']
+    for k, line in enumerate(legend_notes(hidden)):
+        out.append(f'<text x="8" y="{52 + 14 * k}" text-anchor="start" fill="#455a64">{escape(line)}</text>')
     x = 8.0
     for kind, (fill, stroke, _, label) in STYLE.items():
         if kind == "output" or (kind not in kinds and not (kind == "input" and "output" in kinds)):
@@ -105,11 +120,16 @@ def _legend(title: str, kinds: set[str]) -> list[str]:
 
 def render_svg(infos: Sequence[NodeInfo], title: str) -> str:
     """A standalone SVG document of the graph, top to bottom in execution order."""
+    # a parameter read under a second name (the tied half of an embedding / LM head pair) and export's
+    # input-guard call have no users: boxes without edges would only puzzle
+    used = {n for i in infos for n in i.inputs}
+    hidden = [i.name for i in infos if i.name not in used and i.op in ("get_attr", "call_module")]
+    infos = [i for i in infos if i.name not in hidden]
     longest = max((len(t) for i in infos for t in _labels(i)), default=8)
     box_w, box_h = CHAR_W * min(longest, MAX_CHARS) + 14, 2 * LINE_H + 8
     placed = layout(infos, box_w=box_w, box_h=box_h, gap_x=LANE, top=LEGEND_H)
     at = {p.info.name: p for p in placed}
-    width = max([p.x + p.w / 2 + 14 for p in placed] + [400.0])
+    width = max([p.x + p.w / 2 + 14 for p in placed] + [16 + CHAR_W * len(n) for n in legend_notes(hidden)])
     height = max([p.y + p.h + 14 for p in placed] + [LEGEND_H + 20])
     # a size feeds every reshape below it: its edges would cover the picture, the tooltips name it
     edges = [_edge(at[n], p) for p in placed for n in p.info.inputs if n in at and at[n].info.kind != "size"]
@@ -120,7 +140,7 @@ def render_svg(infos: Sequence[NodeInfo], title: str) -> str:
         '<defs><marker id="arrow" viewBox="0 0 8 8" refX="8" refY="4" markerWidth="6" markerHeight="6" '
         'orient="auto"><path d="M0,0 L8,4 L0,8 z" fill="#78909c"/></marker></defs>',
         f'<rect width="{width:.0f}" height="{height:.0f}" fill="#ffffff"/>',
-        *_legend(title, {i.kind for i in infos}),
+        *_legend(title, {i.kind for i in infos}, hidden),
         '<g id="edges">', *edges, '</g>',
         '<g id="nodes">', *(_box(p) for p in placed), '</g>',
         '</svg>',

@@ -15,6 +15,7 @@ from tpcompile.ops.collectives import CollectiveEvent
 from tpcompile.ops.schedule import FORWARD_COLLECTIVES, collective_op
 from tpcompile.passes.pass_context import module_path
 from tpcompile.report.units import format_bytes as _bytes
+from tpcompile.report.wording import replicated_modules, short_reason, short_warning
 
 OUTPUT_BLOCK = "(output)"
 ROOT_BLOCK = "(root)"
@@ -109,11 +110,17 @@ def plan_report(sharded: Any, events: Optional[Sequence[CollectiveEvent]], title
     """
     plan = sharded.plan
     report = PlanReport(title, sharded.world_size, replicated=dict(plan.replicated), warnings=list(plan.warnings))
+    owners = {name.rpartition(".")[0] for name in plan.parameters}
+    # a module holding parameters of its own beside submodules with theirs (nn.MultiheadAttention:
+    # in_proj_weight next to out_proj) is a block itself, not a part of its parent's
+    containers = {o for o in owners if o and any(x.startswith(o + ".") for x in owners)}
     for name, pp in plan.parameters.items():
         label = " = ".join((name, *pp.tied))
         item = _tensor(sharded.captured, name).element_size()
-        report.params.append(ParamRow(label, block_of(name.rpartition(".")[0]), split_text(pp),
+        owner = name.rpartition(".")[0]
+        report.params.append(ParamRow(label, owner if owner in containers else block_of(owner), split_text(pp),
                                       tuple(pp.global_shape), tuple(pp.local_shape), item))
+    blocks = {p.block for p in report.params}
     nodes = [n for n in sharded.rank(0).graph.nodes if collective_op(n) is not None]
     talking = [n for n in nodes if collective_op(n) in FORWARD_COLLECTIVES]
     if events is None:
@@ -122,7 +129,9 @@ def plan_report(sharded: Any, events: Optional[Sequence[CollectiveEvent]], title
     agree = [collective_op(n) for n in talking] == [e.op for e in events]
     for k, e in enumerate(events):
         where = module_path(talking[k]) if agree else ""
-        report.collectives.append(CollectiveRow(e.op, block_of(where) if where else OUTPUT_BLOCK, e.nbytes, e.shape))
+        # a collective issued by a block's own code (MultiheadAttention's out projection) belongs to that block
+        block = (where if where in blocks else block_of(where)) if where else OUTPUT_BLOCK
+        report.collectives.append(CollectiveRow(e.op, block, e.nbytes, e.shape))
     report.backward_only = Counter(collective_op(n) for n in nodes if collective_op(n) not in FORWARD_COLLECTIVES)
     return report
 
@@ -186,7 +195,23 @@ def collective_table(r: PlanReport) -> Table:
     return t
 
 
-def summary_lines(r: PlanReport, inputs: Optional[str] = None) -> list[str]:
+def warning_lines(r: PlanReport, *, full: bool = False) -> list[str]:
+    """One line per replicated module with its reason in words, then the warnings no such line covers.
+
+    With `full`, every reason and warning as propagation wrote it (the command line's --debug).
+    """
+    if full:
+        return [f"replicated {m}: {why}" for m, why in r.replicated.items()] + [f"warning: {w}" for w in r.warnings]
+    lines = [f"replicated {m}: {short_reason(why)}" for m, why in r.replicated.items()]
+    covered = set(r.replicated)
+    for w in r.warnings:
+        mods = replicated_modules(w)
+        if not mods or not set(mods) <= covered:
+            lines.append(f"warning: {short_warning(w)}")
+    return lines
+
+
+def summary_lines(r: PlanReport, inputs: Optional[str] = None, *, full_warnings: bool = False) -> list[str]:
     """Totals under the tables: parameter bytes, communication bytes, replicated regions, warnings."""
     local = sum(p.local_bytes for p in r.params)
     whole = sum(p.global_bytes for p in r.params)
@@ -199,19 +224,17 @@ def summary_lines(r: PlanReport, inputs: Optional[str] = None) -> list[str]:
     if r.backward_only:
         listed = ", ".join(f"{v} {k}" for k, v in r.backward_only.items())
         lines.append(f"backward-only markers in the graph (they communicate in backward): {listed}")
-    lines += [f"replicated {m}: {why}" for m, why in r.replicated.items()]
-    lines += [f"warning: {w}" for w in r.warnings]
-    return lines
+    return lines + warning_lines(r, full=full_warnings)
 
 
-def print_plan(r: PlanReport, console: Console, inputs: Optional[str] = None) -> None:
-    """Print the title, the three tables and the totals."""
+def print_plan(r: PlanReport, console: Console, inputs: Optional[str] = None, *, full_warnings: bool = False) -> None:
+    """Print the title, the three tables and the totals (warnings in full with `full_warnings`)."""
     console.print(r.title, style="bold", highlight=False, markup=False)
     for table in (param_table(r), block_table(r), collective_table(r)):
         console.print()
         console.print(table)
     console.print()
-    for line in summary_lines(r, inputs):
+    for line in summary_lines(r, inputs, full_warnings=full_warnings):
         console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
