@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
-import networkx as nx
+if TYPE_CHECKING:  # networkx is imported when a plan is made, not with tpcompile
+    import networkx as nx
 
 StageMemory = Callable[[int, int, int], float]  # (first block, end block, stage index) -> bytes
 
@@ -39,6 +40,7 @@ def block_graph(names: Sequence[str], times: Sequence[float], params: Sequence[f
                 send_bytes: Sequence[float], send_s: Sequence[float]) -> nx.DiGraph:
     """The chain: node attributes time (s per microbatch), params and act (bytes per rank); edge
     attributes bytes (activations handed on per microbatch) and send_s (their send and the gradient's return)."""
+    import networkx as nx
     g = nx.DiGraph()
     for i, name in enumerate(names):
         g.add_node(name, index=i, time=times[i], params=params[i], act=acts[i])
@@ -67,6 +69,7 @@ def _even_bound(prefix: list[float], send: Sequence[float], stages: int) -> floa
 def partition(graph: nx.DiGraph, stages: int, memory: Optional[StageMemory] = None,
               capacity: float = float("inf")) -> Optional[Partition]:
     """The best cut of the block chain into `stages` stages that each fit `capacity`; None if none fits."""
+    import networkx as nx
     nodes = sorted(graph.nodes(data=True), key=lambda x: x[1]["index"])
     times = [d["time"] for _, d in nodes]
     names = [name for name, _ in nodes]

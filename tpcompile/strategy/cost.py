@@ -14,15 +14,16 @@ set, and the activations of the microbatches in flight (divided by tp under sequ
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
-
-import networkx as nx
+from typing import TYPE_CHECKING, Optional
 
 from tpcompile.strategy import comm
 from tpcompile.strategy.block_graph import Partition, block_graph, partition
 from tpcompile.strategy.cluster import Cluster
 from tpcompile.strategy.profile import ModelProfile
 from tpcompile.strategy.tp_profile import Collective, TPProfile
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 STATE_BYTES = 16  # per parameter: bf16 weight and gradient, fp32 master weight and two Adam moments
 GRAD_BYTES = 4  # gradients are reduced in fp32
