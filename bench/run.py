@@ -139,8 +139,8 @@ RESULTS = ROOT / "bench" / "results"
 SMOKE_RESULTS = Path(tempfile.gettempdir()) / "tpcompile-bench-smoke"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run everything, write the four outputs, print the tables."""
+def parser() -> argparse.ArgumentParser:
+    """The command's arguments."""
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", type=Path, default=None,
                     help=f"where the results go (default {RESULTS.relative_to(ROOT)}; with --tiny {SMOKE_RESULTS})")
@@ -155,11 +155,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", help="comma-separated subset of: " + ", ".join(WORKLOADS))
     ap.add_argument("--readme", action="store_true", help="also copy the table into README.md")
     ap.add_argument("--from-json", type=Path, help="measure nothing: redraw the outputs from a saved latest.json")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run everything, write the four outputs, print the tables."""
+    ap = parser()
     args = ap.parse_args(argv)
-    if args.tiny and args.readme:
+    saved = json.loads(args.from_json.read_text()) if args.from_json is not None else None
+    smoke = args.tiny or bool(saved and saved.get("tiny"))
+    if smoke and args.readme:
         ap.error("--readme publishes the results in README.md; a --tiny smoke run is not one to publish")
-    if args.out_dir is None:
-        args.out_dir = SMOKE_RESULTS if args.tiny else RESULTS
+    args.out_dir = args.out_dir or (SMOKE_RESULTS if smoke else RESULTS)
+    if saved is not None:
+        return write_outputs(saved, args.out_dir, args.readme)
     cfg = dict(TINY if args.tiny else FULL)
     cfg["reps"] = args.reps or cfg["reps"]
     cfg["train_reps"] = args.train_reps or cfg["train_reps"]
@@ -168,8 +177,6 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
     cfg["specs"] = [(name, kwargs) for name, kwargs in cfg["specs"] if name in models]
-    if args.from_json is not None:
-        return write_outputs(json.loads(args.from_json.read_text()), args.out_dir, args.readme)
     try:
         backend = choose_backend(args.backend, args.world_size)
     except TPCompileError as e:

@@ -89,9 +89,14 @@ def _check_rows(rows: dict, reps: int) -> None:
     assert ratio["tpcompile"] == 1.0 and ratio["hand-written"] > 0
 
 
-def test_bench_command_tiny(tmp_path: Path) -> None:
-    """`python -m bench --tiny` writes JSON, markdown and both PNGs holding real, consistent measurements."""
+def test_bench_command_tiny(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    """`python -m bench --tiny` writes JSON, markdown and both PNGs holding real, consistent measurements,
+    labelled a smoke run, with tables named on stdout and no warnings of torch's on stderr."""
     assert bench_main(["--tiny", "--out-dir", str(tmp_path)]) == 0
+    out, err = capfd.readouterr()  # the rank processes write to the same file descriptors
+    assert "unwaited collective" not in err and "LeafSpec" not in err, err
+    assert "\nMLP stack\n" in out and "smoke run (--tiny)" in out
+    assert "| NO |" not in out and "| not judged |" in out
     res = json.loads((tmp_path / "latest.json").read_text())
     mlp = res["workloads"]["mlp"]["contenders"]
     _check_rows(mlp, res["reps"])
@@ -104,6 +109,8 @@ def test_bench_command_tiny(tmp_path: Path) -> None:
     assert [r["layers"] for r in ct] == [1, 2] and all(r["capture_s"] > 0 and r["passes_s"] > 0 for r in ct)
     assert ct[1]["nodes"] > ct[0]["nodes"] and ct[1]["collectives"] > ct[0]["collectives"]
     text = (tmp_path / "latest.md").read_text()
+    assert text.startswith("# tpcompile against other tensor-parallel methods (smoke run)\n")
+    assert "Smoke run (`--tiny`)" in text and "python -m bench --tiny" in text
     assert res["backend"] == "gloo" and res["device"] == "CPU, gloo" and "world size 2 (CPU, gloo)" in text
     tp_row = next(line for line in text.splitlines() if line.startswith("| tpcompile |"))
     assert f"| {mlp['tpcompile']['forward']['median_ms']:.1f} |" in tp_row
@@ -123,6 +130,26 @@ def test_bench_command_tiny_gpt(tmp_path: Path) -> None:
     # Per layer two all-reduces forward, plus the vocabulary embedding's; the logits all-gathered.
     assert gpt["hand-written"]["forward"]["counts"] == {"all_reduce": 5, "all_gather": 1}
     assert res["targets"] == []
+
+
+def test_smoke_runs_write_outside_the_published_results(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    """A smoke run's results go to a temporary folder, never bench/results, and never into the README."""
+    import bench.run as run
+
+    written = []
+    monkeypatch.setattr(run, "write_outputs", lambda res, out_dir, readme: written.append((out_dir, readme)) or 0)
+    for tiny in (True, False):
+        saved = tmp_path / f"tiny{tiny}.json"
+        saved.write_text(json.dumps({"tiny": tiny}))
+        assert bench_main(["--from-json", str(saved)]) == 0
+    assert written == [(run.SMOKE_RESULTS, False), (ROOT / "bench" / "results", False)]
+    assert not run.SMOKE_RESULTS.is_relative_to(ROOT)
+    with pytest.raises(SystemExit) as exc:
+        bench_main(["--tiny", "--readme"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m bench ") and "a --tiny smoke run is not one to publish" in err
 
 
 def test_wrong_gradients_are_flagged() -> None:
