@@ -155,11 +155,53 @@ def test_verify(model_file: Path) -> None:
 
 @pytest.mark.gloo
 def test_demo(model_file: Path) -> None:
-    """demo MODEL: every rank runs as a real gloo process and matches the unsharded model."""
-    proc = tpc("demo", "tiny.py:Tiny", "-w", "2", "--repeats", "1", cwd=model_file.parent)
+    """demo MODEL --inputs: every rank runs as a real gloo process on those inputs and matches the unsharded model."""
+    proc = tpc("demo", "tiny.py:Tiny", "-w", "2", "--repeats", "1", "--inputs", "3x7:long", cwd=model_file.parent)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "launching 2 gloo processes..." in out
     assert "rank 0: forward" in out and "rank 1: forward" in out
-    assert "all_reduce (forward) x2" in out
-    assert out.strip().splitlines()[-1].startswith("OK: all 2 ranks match")
+    # the all-reduces at the --inputs shape: 3*7*16 float32 = 1344 B each
+    assert "collectives: 3, 2.6 KiB moved: all_reduce (forward) x2" in out
+    assert out.strip().splitlines()[-1].startswith("OK: all 2 ranks match the unsharded model: max |diff| ")
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """--version prints the package's version and torch's, exit 0."""
+    from tpcompile.cli import main
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"tpcompile {tpcompile.__version__} (torch {torch.__version__})\n"
+
+
+def test_a_model_without_inputs_stops_before_any_work(tmp_path: Path) -> None:
+    """demo of a model with no example_inputs() and no --inputs: one line saying what to pass, nothing printed."""
+    (tmp_path / "bare.py").write_text("from torch import nn\n\n\nclass Bare(nn.Module):\n    def __init__(self):\n"
+                                      "        super().__init__()\n        self.fc = nn.Linear(8, 8)\n\n"
+                                      "    def forward(self, x):\n        return self.fc(x)\n")
+    proc = tpc("demo", "bare.py:Bare", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == ("error: demo needs inputs and bare.py:Bare has no example_inputs(); pass --inputs "
+                                   "SHAPE[:DTYPE] once per positional argument of Bare.forward(x), e.g. --inputs "
+                                   "2x8 (its first layer fc is a Linear of 8 inputs), or give the model an "
+                                   "example_inputs() method")
+
+
+def test_user_errors_name_the_users_terms(model_file: Path) -> None:
+    """A NAME the file lacks names the file and what it defines; ids beyond the vocabulary are the user's error."""
+    proc = tpc("verify", "tiny.py:Tin", "--inputs", "2x16:long:100000", cwd=model_file.parent)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("error: cannot resolve model 'tiny.py:Tin': tiny.py has no 'Tin'; did you mean "
+                                   "Tiny? it defines: Tiny")
+    from tpcompile.cli import main
+
+    assert main(["verify", f"{model_file}:Tiny", "--inputs", "2x16:long:100000"]) == 2  # exit 2, not a crash
+
+
+def test_a_folder_named_tpcompile_is_named(tmp_path: Path) -> None:
+    """Run next to a folder called tpcompile (the clone), the command says that folder shadows the package."""
+    (tmp_path / "tpcompile").mkdir()
+    proc = tpc("plan", "mlp", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith(f"error: `import tpcompile` found the folder {tmp_path / 'tpcompile'} ")
+    assert "run from another folder" in proc.stderr and "Traceback" not in proc.stderr

@@ -34,3 +34,33 @@ def test_readme_diff_is_the_golden_text() -> None:
     golden = (ROOT / "tests" / "golden" / "gpt_ws2.diff").read_text(encoding="utf-8")
     assert golden.startswith(shown[: -len("...\n")])
     assert "![" in readme and (ROOT / "docs" / "img" / "gpt_rank0.svg").is_file()
+
+
+def test_readme_flags_are_taken_by_every_model_subcommand() -> None:
+    """Each flag the README says every model subcommand takes parses on each subcommand it names."""
+    from tpcompile.cli import build_parser
+
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    sentence = readme.split("Every model subcommand (")[1].split("Errors are one line")[0]
+    commands = re.findall(r"`(\w+)`", sentence.split(")")[0])
+    flags = list(dict.fromkeys(re.findall(r"`(?:-\w/)?(--[\w-]+)[^`]*`", sentence)))
+    assert commands == ["plan", "dump", "diff", "verify", "demo"]
+    assert flags == ["--world-size", "--inputs", "--config", "--plan", "--sequence-parallel", "--debug"]
+    values = {"--world-size": ["3"], "--inputs": ["2x8:long"], "--config": ["n_layer=1"], "--plan": ["p.yaml"]}
+    parser = build_parser()
+    for command in commands:
+        for flag in flags:
+            ns = parser.parse_args([command, "gpt", flag, *values.get(flag, [])])
+            assert ns.command == command and ns.model == "gpt"
+
+
+def test_readme_verify_block_has_todays_format() -> None:
+    """The README's `tpcompile verify gpt` block has the lines the command prints today (numbers aside)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    lines = _block_after(readme, "tpcompile verify gpt").splitlines()
+    assert lines[0] == "verify GPT (gpt) at world size 2 on random inputs (2x16 int64, seed 1)"
+    num = r"\d\.\d+e[-+]\d+"
+    assert re.fullmatch(rf"output \(2x16x256\): max \|diff\| {num}, relative \d\.\de[-+]\d+, allowed \d\.\de-05 "
+                        rf"\(rank 0 {num}, rank 1 {num}\)", lines[1]), lines[1]
+    assert re.fullmatch(rf"OK: max \|diff\| {num} <= {num} = atol 1e-05 \+ rtol 1.3e-06 x max \|output\| [\d.]+ "
+                        r"\(output\) over 2 ranks and 1 outputs", lines[2]), lines[2]

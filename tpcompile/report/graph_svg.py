@@ -45,12 +45,9 @@ def _labels(info: NodeInfo) -> tuple[str, str]:
 
 
 def _cut(text: str) -> str:
-    """Text at most MAX_CHARS long, an ellipsis in the middle marking a cut: both ends of a name tell most
-    ('transformer_h…c_attn_weight')."""
-    if len(text) <= MAX_CHARS:
-        return text
-    head = (MAX_CHARS - 1) // 2
-    return text[:head] + "\u2026" + text[len(text) - (MAX_CHARS - 1 - head):]
+    """Text at most MAX_CHARS long, shortened from the start behind an ellipsis: the end of a name says the
+    most ('…rmer_h_0_attn_c_attn_weight', 'masked_fill_scalar_1')."""
+    return text if len(text) <= MAX_CHARS else "\u2026" + text[len(text) - MAX_CHARS + 1:]
 
 
 def _box(p: Placed) -> str:
