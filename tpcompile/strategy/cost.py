@@ -150,7 +150,12 @@ def _stage_memory(blocks: _Blocks, cluster: Cluster, lay: Layout, training: bool
         states = params * STATE_BYTES / (lay.dp if fsdp else 1)
         gathered = 0.0
         if fsdp:
-            gathered = params * (dt + GRAD_BYTES) if lay.pp > 1 else FSDP_PREFETCH * max(blocks.params[i:j]) * dt
+            # between microbatches the schedule keeps the stage's weights gathered and its gradients whole (no
+            # reshard, no reduce-scatter until the last); one microbatch without pipelining holds two blocks
+            if lay.pp > 1 or lay.microbatches > 1:
+                gathered = params * (dt + GRAD_BYTES)
+            else:
+                gathered = FSDP_PREFETCH * max(blocks.params[i:j]) * dt
         inflight = min(lay.microbatches, lay.pp - s) if lay.pp > 1 else 1
         if lay.recompute:
             kept = sum(blocks.inp[k] if blocks.repeated[k] else blocks.act[k] for k in range(i, j))
@@ -219,11 +224,13 @@ def _data_parallel(params: float, units: int, step_compute: float, micro_compute
     grads = params * GRAD_BYTES
     if lay.data_parallel == "fsdp":
         weights = params * cluster.dtype_bytes
-        once = comm.all_gather(weights, d, bw, alpha) + comm.reduce_scatter(grads, d, bw, alpha)
-        # per microbatch without pipelining (gather in forward and again in backward); once per step with it
-        per_step = once.times(lay.microbatches) + comm.all_gather(weights, d, bw, alpha).times(
-            lay.microbatches) if lay.pp == 1 else once
-        per_step = per_step + comm.Cost((units - 1) * 3 * alpha * (d - 1), 0.0)  # one collective per block each way
+        gather = comm.all_gather(weights, d, bw, alpha)
+        # without pipelining each microbatch gathers a block in forward and again in backward; with it the
+        # gathered blocks stay until the step ends; gradients are reduce-scattered once, after the last microbatch
+        per_step = (gather.times(2 * lay.microbatches) if lay.pp == 1 else gather) + \
+            comm.reduce_scatter(grads, d, bw, alpha)
+        calls = (2 * lay.microbatches if lay.pp == 1 else 1) + 1
+        per_step = per_step + comm.Cost((units - 1) * calls * alpha * (d - 1), 0.0)  # one collective per block
         window = step_compute
     else:
         per_step = comm.all_reduce(grads, d, bw, alpha)

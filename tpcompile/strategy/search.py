@@ -14,12 +14,19 @@ from typing import Iterator, Optional
 
 from tpcompile.errors import TPCompileError
 from tpcompile.strategy.cluster import Cluster
-from tpcompile.strategy.cost import Estimate, Layout, estimate
+from tpcompile.strategy.cost import STATE_BYTES, Estimate, Layout, estimate
 from tpcompile.strategy.decisions import Decision, decide, replicated_units
 from tpcompile.strategy.profile import ModelProfile
 from tpcompile.strategy.tp_profile import TPProfile
 
 SHOWN = 6  # meshes kept exact: the chosen one and the alternatives the table shows
+
+
+def simplicity(est: Estimate) -> tuple[float, int]:
+    """Sort key: the step time to 6 significant digits, then the fewer features (equal times prefer the simpler layout)."""
+    lay = est.layout
+    extras = (lay.tp > 1) + (lay.pp > 1) + lay.sequence_parallel + lay.recompute + (lay.data_parallel == "fsdp")
+    return float(f"{est.step_s:.6g}"), extras + len(lay.replicate)
 
 
 def divisors(n: int) -> list[int]:
@@ -65,28 +72,45 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int, train
 
 
 def _lower_bound(profile: ModelProfile, tpp: Optional[TPProfile], cluster: Cluster, lay: Layout,
-                 global_batch: int, training: bool) -> float:
-    """Compute alone, spread evenly over the stages: no step of this layout is faster."""
+                 global_batch: int, training: bool) -> tuple[float, float]:
+    """(seconds, bytes) no step of this layout beats: its compute spread evenly over the stages, and the
+    (m + p - 1) stage times of a 1F1B step; its parameter state spread evenly over the stages."""
     b = global_batch // (lay.dp * lay.microbatches)
     dt = cluster.dtype_bytes
-    total = 0.0
+    total, params = 0.0, 0.0
     for i, blk in enumerate(profile.blocks):
         if tpp is None:
-            flops, moved = blk.flops, blk.moved
+            flops, moved, params = blk.flops, blk.moved, params + blk.params
         else:
             bt = tpp.blocks[i]
             flops, moved = bt.flops, bt.moved + bt.moved_whole / (lay.tp if lay.sequence_parallel else 1)
+            params += bt.params
         fwd = flops * b / cluster.matmul_rate + moved * b * dt / cluster.memory_bw + blk.ops * cluster.op_overhead
         total += fwd * ((3 if training else 1) + (1 if training and lay.recompute and blk.repeated else 0))
-    return total * lay.microbatches / lay.pp
+    per_param = (STATE_BYTES / (lay.dp if lay.data_parallel == "fsdp" else 1)) if training else dt
+    return total * (lay.microbatches + lay.pp - 1) / lay.pp, params / lay.pp * per_param
 
 
 def search(profile: ModelProfile, tpps: dict[int, TPProfile], cluster: Cluster, global_batch: int,
            training: bool = True) -> Result:
     """The fastest layout that fits, and the best of each mesh."""
-    order = []
+    order: list[tuple[float, Layout]] = []
+    smallest: Optional[tuple[float, Layout]] = None  # the least state of the layouts that cannot fit
+    considered = 0
     for lay in candidates(profile, cluster, global_batch, training):
-        order.append((_lower_bound(profile, tpps.get(lay.tp), cluster, lay, global_batch, training), lay))
+        considered += 1
+        seconds, nbytes = _lower_bound(profile, tpps.get(lay.tp), cluster, lay, global_batch, training)
+        if nbytes > cluster.usable_memory:  # cannot fit whatever the cut: not worth pricing
+            smallest = (nbytes, lay) if smallest is None or nbytes < smallest[0] else smallest
+            continue
+        order.append((seconds, lay))
+    if not order and smallest is not None:
+        nbytes, lay = smallest
+        raise TPCompileError(
+            f"{profile.name} does not fit on {cluster.gpus} GPUs of {cluster.gpu_memory / 1e9:.0f} GB: its weights, "
+            f"gradients and optimizer state alone need at least {nbytes / 1e9:.1f} GB per GPU (tp={lay.tp}, "
+            f"dp={lay.dp}, pp={lay.pp}, {lay.data_parallel}) of {cluster.usable_memory / 1e9:.1f} GB usable; "
+            f"add GPUs or use larger ones")
     if not order:
         raise TPCompileError(f"no layout of {cluster.gpus} GPUs divides the global batch of {global_batch}: "
                              f"make the global batch a multiple of the data-parallel degree (e.g. of "
@@ -106,11 +130,11 @@ def search(profile: ModelProfile, tpps: dict[int, TPProfile], cluster: Cluster, 
         est, why = _price(profile, tpps.get(lay.tp), cluster, lay, global_batch, training)
         priced += 1
         decisions[est.layout] = why
-        if est.fits and (mesh not in best_fit or est.step_s < best_fit[mesh].step_s):
+        if est.fits and (mesh not in best_fit or simplicity(est) < simplicity(best_fit[mesh])):
             best_fit[mesh] = est
         if mesh not in best_any or (not est.fits and est.memory < best_any[mesh].memory):
             best_any[mesh] = est
-    feasible = sorted(best_fit.values(), key=lambda e: e.step_s)
+    feasible = sorted(best_fit.values(), key=simplicity)
     rest = sorted((e for m, e in best_any.items() if m not in best_fit), key=lambda e: e.memory)
     if not feasible:
         least = rest[0]
@@ -119,7 +143,7 @@ def search(profile: ModelProfile, tpps: dict[int, TPProfile], cluster: Cluster, 
             f"smallest layout found (tp={least.layout.tp}, dp={least.layout.dp}, pp={least.layout.pp}, "
             f"recompute={least.layout.recompute}) needs {least.memory / 1e9:.1f} GB per GPU of "
             f"{cluster.usable_memory / 1e9:.1f} GB usable; add GPUs, lower the global batch or sequence length")
-    return Result(feasible[0], feasible + rest, decisions, priced, len(order))
+    return Result(feasible[0], feasible + rest, decisions, priced, considered)
 
 
 def _price(profile: ModelProfile, tpp: Optional[TPProfile], cluster: Cluster, lay: Layout, global_batch: int,
