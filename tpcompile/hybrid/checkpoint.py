@@ -45,11 +45,13 @@ class HybridChunks(RankChunks):
 def rank_chunks(value: torch.Tensor, spec: TensorSpec, tp_rank: int, tp: int) -> list[Chunk]:
     """The chunks of the full tensor that this rank's `value` (plain, or an FSDP DTensor) holds."""
     if isinstance(value, DTensor):  # FSDP: this rank's rows of the tensor-parallel slice
-        local = value.to_local()
         _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-        row0 = offset[0] if offset else 0
-    else:
-        local, row0 = value, 0
+        return local_chunks(value.to_local(), offset[0] if offset else 0, spec, tp_rank, tp)
+    return local_chunks(value, 0, spec, tp_rank, tp)
+
+
+def local_chunks(local: torch.Tensor, row0: int, spec: TensorSpec, tp_rank: int, tp: int) -> list[Chunk]:
+    """The chunks of the full tensor in `local`: rows row0.. of TP rank tp_rank's slice of it."""
     if local.numel() == 0:
         return []
     nd, full, sl = local.dim(), spec.global_shape, spec.slice

@@ -15,27 +15,25 @@ The optimizer comes last, from HybridModel.parameters().
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
-from torch.nn.parallel import DistributedDataParallel
 
 from tpcompile.api import shard_captured
 from tpcompile.capture import Captured, capture, infer_example_inputs
 from tpcompile.checkpoint.weights import retarget
 from tpcompile.errors import TPCompileError
-from tpcompile.hybrid.checkpoint import TensorSpec, load_weights
-from tpcompile.hybrid.grads import TiedGrads
 from tpcompile.hybrid.io import InputLayout
 from tpcompile.hybrid.mesh import MESH_DIMS, mesh_device
-from tpcompile.hybrid.model import HybridModel
 from tpcompile.hybrid.partition import group_pieces, stage_io
 from tpcompile.hybrid.pieces import Piece, find_blocks, split_pieces
-from tpcompile.hybrid.pipeline import Pipeline, schedule_class, stages_per_rank
 from tpcompile.hybrid.stage import blocks_of, build_stage
+
+if TYPE_CHECKING:
+    from tpcompile.hybrid.checkpoint import TensorSpec
+    from tpcompile.hybrid.model import HybridModel
 
 DATA_PARALLEL = ("fsdp", "ddp")
 
@@ -66,6 +64,7 @@ def _to(value: Any, device: torch.device) -> Any:
 def _shard_pieces(pieces: list[Piece], cap: Captured, state_names: set[str], tp: int, group: Any, plan: Any,
                   sequence_parallel: bool) -> tuple[list[Any], dict[str, TensorSpec]]:
     """tpcompile's passes on every piece over the TP group; the specs of every tensor, ties checked."""
+    from tpcompile.hybrid.checkpoint import TensorSpec
     aliases = _aliases(cap.gm)
     sharded, specs = [], {}
     for piece in pieces:
@@ -86,6 +85,8 @@ def _shard_pieces(pieces: list[Piece], cap: Captured, state_names: set[str], tp:
 
 def _wrap(stage: nn.Module, mesh: DeviceMesh, data_parallel: str, pp: int) -> nn.Module:
     """The stage under FSDP2 (each block a unit, the stage the root unit) or DDP, over mesh["dp"]."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
     if data_parallel == "ddp":
         return DistributedDataParallel(stage, process_group=mesh["dp"].get_group())
     # with pp > 1 each microbatch would gather a block again in backward: keep it until the step ends
@@ -108,6 +109,10 @@ def parallelize_train(model: nn.Module, mesh: DeviceMesh, *, loss_fn: Callable[[
     A model built on the meta device needs `weights` (a full state dict, .safetensors/.pt files or a
     directory of them, or a tpcompile.dcp checkpoint directory saved at any layout).
     """
+    # the runtime's torch packages (pipelining, FSDP, DTensor, DCP) take seconds to import: only when used
+    from tpcompile.hybrid.grads import TiedGrads
+    from tpcompile.hybrid.model import HybridModel
+    from tpcompile.hybrid.pipeline import Pipeline, schedule_class, stages_per_rank
     _check(mesh, loss_fn, microbatches, data_parallel)
     pp, tp = mesh["pp"].size(), mesh["tp"].size()
     cls = schedule_class(schedule)
@@ -177,4 +182,5 @@ def _load(hm: HybridModel, weights: Any, on_meta: bool) -> None:
         from tpcompile.checkpoint.dcp import load
         load(hm, weights)  # type: ignore[arg-type]
     else:
+        from tpcompile.hybrid.checkpoint import load_weights
         load_weights(hm.held_tensors(), weights, hm.tp_rank, hm.tp, on_meta=on_meta)

@@ -1,0 +1,214 @@
+"""Train a model with tensor x data x pipeline parallelism and print its losses.
+
+    python examples/train_hybrid.py --dp 1 --tp 1 --pp 1 --model gpt --inputs 8x16:long --steps 5 --json
+    torchrun --nproc-per-node 8 examples/train_hybrid.py --dp 2 --tp 2 --pp 2 --model gpt \\
+        --inputs 8x16:long --steps 5 --microbatches 2 --json
+
+Under torchrun every process joins one DeviceMesh (tpcompile.init_mesh) and trains its part
+(tpcompile.parallelize_train); rank 0 prints one JSON object whose "losses" holds the global
+batch's loss per step. Without torchrun, `--dp 1 --tp 1 --pp 1` trains the plain model in this
+process: the reference, from the same weights (MODEL built with a fixed seed) and the same batches
+(drawn from --seed). The loss is next-token cross entropy on the logits; the optimizer AdamW.
+MODEL is as in the tpcompile CLI: file.py:NAME, pkg.mod:NAME, gpt, hf:<model_type>.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import tpcompile
+import tpcompile.dcp
+from tpcompile.cli.common import parse_config
+from tpcompile.cli.inputs import parse_input_spec
+from tpcompile.cli.model_spec import load_model
+
+LAYER_KEYS = ("n_layer", "num_hidden_layers")  # the bundled GPT's and Hugging Face's name for the depth
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits in a model's output: a tensor, the first of a tuple, or a ModelOutput's .logits."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if hasattr(output, "logits"):
+        return output.logits
+    return output[0]
+
+
+def next_token_loss(output: Any, ids: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of predicting token t+1 from positions <= t."""
+    logits = logits_of(output)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def setup(opts: argparse.Namespace) -> tuple[torch.nn.Module, list[torch.Tensor], tuple, dict]:
+    """The model (fixed seed, training mode, --dtype), the batches of every step, and how to call it."""
+    config = parse_config(opts.config or [])
+    model, args, kwargs = load_model(opts.model, config)
+    if opts.layers is not None:
+        key = next((k for k in LAYER_KEYS if hasattr(getattr(model, "config", None), k)), LAYER_KEYS[0])
+        model, args, kwargs = load_model(opts.model, {**config, key: opts.layers})
+    model = model.to(getattr(torch, opts.dtype)).train()
+    spec = parse_input_spec(opts.inputs)
+    vocab = next((m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    high = spec.high or vocab
+    if len(spec.shape) != 2 or spec.dtype.is_floating_point or not high:
+        raise tpcompile.TPCompileError(f"--inputs {opts.inputs!r}: expected token ids BxT:long for a model "
+                                       f"with a token embedding")
+    # at least one batch: the hybrid run captures the model with it (--steps 0 only loads and saves)
+    return model, batches(spec.shape, high, max(opts.steps, 1), opts.seed), args, kwargs
+
+
+def batches(shape: tuple[int, ...], vocab: int, steps: int, seed: int) -> list[torch.Tensor]:
+    """One (B, T) batch per step; each sequence follows one fixed random successor table, so loss falls."""
+    gen = torch.Generator().manual_seed(seed)
+    succ = torch.randperm(vocab, generator=gen)
+    out = []
+    for _ in range(steps):
+        ids = torch.empty(shape, dtype=torch.long)
+        ids[:, 0] = torch.randint(0, vocab, (shape[0],), generator=gen)
+        for t in range(1, shape[1]):
+            ids[:, t] = succ[ids[:, t - 1]]
+        out.append(ids)
+    return out
+
+
+def call(ids: torch.Tensor, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The model's arguments for a batch of ids: the first tensor input replaced, other options kept."""
+    rest = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+    if args:
+        return (ids,), rest
+    name = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+    return (), {name: ids, **rest}
+
+
+def reference(opts: argparse.Namespace) -> dict:
+    """The plain model trained in this process: losses (and gradient norms with --clip)."""
+    model, batches, args, kwargs = setup(opts)
+    if opts.load:
+        import torch.distributed.checkpoint as dcp
+        dcp.load(model.state_dict(), checkpoint_id=opts.load, no_dist=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=opts.lr)
+    losses, norms = [], []
+    for ids in batches[:opts.steps]:
+        opt.zero_grad()
+        a, k = call(ids, args, kwargs)
+        loss = next_token_loss(model(*a, **k), ids)
+        loss.backward()
+        if opts.clip:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), opts.clip).item())
+        opt.step()
+        losses.append(loss.item())
+    if opts.save:
+        import torch.distributed.checkpoint as dcp
+        dcp.save(model.state_dict(), checkpoint_id=opts.save, no_dist=True)
+    out = {"dp": 1, "tp": 1, "pp": 1, "world_size": 1, "losses": losses,
+           "model_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+    return {**out, "grad_norms": norms} if opts.clip else out
+
+
+def distributed(opts: argparse.Namespace) -> dict:
+    """This rank's part of the hybrid run; the report (on rank 0) of every rank."""
+    mesh = tpcompile.init_mesh(dp=opts.dp, tp=opts.tp, pp=opts.pp)
+    model, batches, args, kwargs = setup(opts)
+    dp_rank, per = mesh["dp"].get_local_rank(), batches[0].shape[0] // opts.dp
+    if per * opts.dp != batches[0].shape[0]:
+        raise tpcompile.TPCompileError(f"--inputs batch {batches[0].shape[0]} is not divisible by --dp {opts.dp}")
+    a, k = call(batches[0][:per], args, kwargs)
+    start = time.perf_counter()
+    hm = tpcompile.parallelize_train(model, mesh, loss_fn=next_token_loss, example_inputs=a, example_kwargs=k,
+                                     microbatches=opts.microbatches, schedule=opts.schedule,
+                                     data_parallel=opts.data_parallel, weights=opts.load,
+                                     sequence_parallel=opts.sequence_parallel,
+                                     activation_checkpointing=opts.activation_checkpointing)
+    setup_s = time.perf_counter() - start
+    opt = torch.optim.AdamW(hm.parameters(), lr=opts.lr)
+    losses, norms, start = [], [], time.perf_counter()
+    for ids in batches[:opts.steps]:
+        mine = ids[dp_rank * per:(dp_rank + 1) * per]  # this data-parallel rank's share of the batch
+        opt.zero_grad()
+        a, k = call(mine, args, kwargs)
+        loss = hm.step(*a, target=mine, **k)
+        if opts.clip:
+            norms.append(hm.clip_grad_norm_(opts.clip).item())
+        opt.step()
+        losses.append(loss.item())
+    step_s = (time.perf_counter() - start) / max(1, opts.steps)
+    if opts.save:
+        tpcompile.dcp.save(hm, opts.save)
+    mine_report = {"param_bytes": hm.parameter_bytes(), "peak_rss_bytes": _peak_bytes(),
+                   "stages": hm.stage_indices, "losses": losses, "norms": norms}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine_report)
+    for key in ("losses", "norms"):  # every rank must see the same loss and clip by the same norm
+        if any(r[key] != mine_report[key] for r in every):
+            raise SystemExit(f"the ranks disagree on the {key}: {[r[key] for r in every]}")
+    out = {"dp": opts.dp, "tp": opts.tp, "pp": opts.pp, "world_size": dist.get_world_size(),
+           "backend": dist.get_backend(), "model": opts.model, "schedule": hm.schedule,
+           "data_parallel": opts.data_parallel, "microbatches": opts.microbatches, "dtype": opts.dtype,
+           "losses": losses, "model_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+           "param_bytes_per_rank": [r["param_bytes"] for r in every],
+           "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in every],
+           "stages_per_rank": [r["stages"] for r in every], "setup_s": round(setup_s, 3), "step_s": round(step_s, 4)}
+    return {**out, "grad_norms": norms} if opts.clip else out
+
+
+def _peak_bytes() -> int:
+    """This process's peak memory: GPU memory allocated on CUDA, else the peak resident set size."""
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        return int(torch.cuda.max_memory_allocated())
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def main() -> None:
+    """Parse the flags; the reference in a plain process, one rank of the hybrid run under torchrun."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for dim in ("dp", "tp", "pp"):
+        parser.add_argument(f"--{dim}", type=int, default=1, help=f"{dim} degree of the mesh")
+    parser.add_argument("--model", default="gpt", help="file.py:NAME, pkg.mod:NAME, gpt, hf:<model_type>")
+    parser.add_argument("--config", action="append", metavar="KEY=VALUE", help="model config override (repeatable)")
+    parser.add_argument("--layers", type=int, default=None, help="the model's depth (n_layer / num_hidden_layers)")
+    parser.add_argument("--inputs", default="8x16:long", help="the global batch, BxT:long")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--microbatches", type=int, default=None, help="default: pp")
+    parser.add_argument("--schedule", default="1F1B", help="1F1B, Interleaved1F1B or GPipe")
+    parser.add_argument("--data-parallel", default="fsdp", choices=("fsdp", "ddp"))
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--clip", type=float, default=None, help="clip gradients to this global norm each step")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    parser.add_argument("--seed", type=int, default=0, help="seed of the batches")
+    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--save", default=None, help="write a DCP checkpoint here after training")
+    parser.add_argument("--load", default=None, help="start from this DCP checkpoint (saved at any layout)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    opts = parser.parse_args()
+    opts.microbatches = opts.microbatches or opts.pp
+    launched = "RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+    if not launched and opts.dp * opts.tp * opts.pp == 1:
+        report = reference(opts)
+    else:
+        owned = not dist.is_initialized()
+        report = distributed(opts)
+        rank = dist.get_rank()
+        dist.barrier()  # no rank tears the group down while another still uses it
+        if owned:
+            dist.destroy_process_group()
+        if rank != 0:
+            return
+    if opts.json:
+        print(json.dumps(report))
+    else:
+        for step, loss in enumerate(report["losses"]):
+            print(f"step {step:>3}  loss {loss:.6f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""Hybrid parallelism: the graph split, stages and checkpoint chunks in-process, and one 8-rank gloo run.
+
+The full matrix of layouts, models and data-parallel modes is tests/test_hybrid_matrix.py
+(pytest -m hybrid), whose results docs/hybrid.md records.
+"""
+from __future__ import annotations
+
+import functools
+import tempfile
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import tpcompile
+from hybrid_helpers import build, inputs, load_plain, model_bytes, reference, relative
+from tpcompile.api import shard_captured
+from tpcompile.capture import Captured, capture
+from tpcompile.hybrid.checkpoint import TensorSpec, local_chunks
+from tpcompile.hybrid.partition import balanced_split, group_pieces, stage_io
+from tpcompile.hybrid.pieces import find_blocks, split_pieces
+from tpcompile.hybrid.stage import build_stage
+from tpcompile.placement import ParamSlice
+
+
+@functools.cache
+def _captured(name: str) -> tuple[torch.nn.Module, Captured, tuple, dict]:
+    """The tiny model, captured once per test process (each test splits it afresh)."""
+    model = build(name)
+    ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(3))
+    a, k = inputs(name, ids)
+    return model, capture(model, a, k), a, k
+
+
+def _logits(out: object) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def test_pieces_run_in_order_equal_the_model() -> None:
+    """Pre, one piece per block and post, run one after another, give the model's logits exactly."""
+    model, cap, a, k = _captured("gpt")
+    pieces = split_pieces(cap.gm, find_blocks(model))
+    assert [p.block for p in pieces] == [False, True, True, True, True, False]
+    assert all(len(p.inputs) == 1 for p in pieces[1:])  # masks, rotary tables and sizes are recomputed, not passed
+    placeholders = [n for n in cap.gm.graph.nodes if n.op == "placeholder"]
+    env = dict(zip(placeholders, pytree.tree_leaves((a, k))))
+    for p in pieces:
+        env.update(zip(p.outputs, p.gm(*[env[i] for i in p.inputs])))
+    out = next(n for n in cap.gm.graph.nodes if n.op == "output").args[0]
+    assert torch.equal(env[out[0]], _logits(model(*a, **k)))
+
+
+def test_sharded_pieces_equal_the_model() -> None:
+    """Llama's pieces sharded by tpcompile over 2 simulated ranks: the composed ranks give the model's logits."""
+    model, cap, a, k = _captured("llama")
+    pieces = split_pieces(cap.gm, find_blocks(model))
+    assert [p.block for p in pieces] == [False, True, True, True, True, False]
+    assert all(len(p.inputs) == 1 for p in pieces[1:])  # the mask, rotary table and sizes are recomputed
+    sms = [shard_captured(Captured(p.gm, p.name, (), {}, cap.module_paths), 2) for p in pieces]
+    ranks = [[sm.rank(r) for sm in sms] for r in range(2)]
+    assert sms[1].plan.parameters["model.layers.0.mlp.gate_proj.weight"].dim == 0  # the blocks really are split
+    placeholders = [n for n in cap.gm.graph.nodes if n.op == "placeholder"]
+
+    def run(r: int) -> torch.Tensor:
+        env = dict(zip(placeholders, pytree.tree_leaves((a, k))))
+        for p, gm in zip(pieces, ranks[r]):
+            env.update(zip(p.outputs, gm(*[env[i] for i in p.inputs])))
+        return env[next(n for n in cap.gm.graph.nodes if n.op == "output").args[0][0]]
+
+    want = _logits(model(*a, **k))
+    for out in tpcompile.simulate_ranks(2, run):
+        assert torch.allclose(out, want, rtol=0, atol=1e-12)
+
+
+def test_stages_own_block_parameters_under_the_model_names() -> None:
+    """Two stages of the GPT: blocks are called submodules owning their weights, names are the model's, output equal."""
+    model, cap, a, _ = _captured("gpt")
+    pieces = split_pieces(cap.gm, find_blocks(model))
+    stages = group_pieces(pieces, 2)
+    placeholders = [n for n in cap.gm.graph.nodes if n.op == "placeholder"]
+    outputs = list(next(n for n in cap.gm.graph.nodes if n.op == "output").args[0])
+    io = stage_io(stages, placeholders, outputs)
+    built = []
+    for s, group in enumerate(stages):
+        ranked = [shard_captured(Captured(p.gm, p.name, (), {}, cap.module_paths), 1).rank(0) for p in group]
+        built.append(build_stage(s, group, ranked, *io[s]))
+    block = built[0].get_submodule("transformer.h.0")
+    assert "attn.c_attn.weight" in dict(block.named_parameters())
+    assert "transformer.h.0.attn.c_attn.weight" in dict(built[0].named_parameters())
+    names = [set(dict(s.named_parameters())) for s in built]
+    assert names[0] | names[1] == set(dict(model.named_parameters()))
+    assert names[0] & names[1] == {"transformer.wte.weight"}  # the tied embedding / head: a copy in each stage
+    out = tpcompile.simulate_ranks(1, lambda r: built[1](built[0](*a)))[0]
+    assert torch.equal(out, model(*a))
+
+
+def test_balanced_split_minimises_the_largest_stage() -> None:
+    """Costs 1, 4, 4, 4, 4, 1 in four stages: the light ends join the blocks beside them; too many stages fail."""
+    assert balanced_split([1, 4, 4, 4, 4, 1], 4) == [2, 1, 1, 2]
+    assert balanced_split([5, 1, 1, 1, 1, 5], 3) == [1, 4, 1]
+    with pytest.raises(tpcompile.TPCompileError, match="need at least 7 pieces"):
+        balanced_split([1] * 6, 7)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_rank_chunks_tile_the_full_tensor(dim: int) -> None:
+    """TP cut (fused q|k|v segments) x FSDP rows: every (tp, dp) rank's chunks cover each element exactly once."""
+    full = torch.arange(12 * 6, dtype=torch.float64).view(12, 6) if dim == 0 else torch.arange(6 * 12.).view(6, 12)
+    spec = TensorSpec("w", ("w",), tuple(full.shape), ParamSlice(dim, segments=(4, 4, 4)))
+    count = torch.zeros_like(full)
+    for tp_rank in range(2):
+        local = torch.cat([full.narrow(dim, s + 2 * tp_rank, 2) for s in (0, 4, 8)], dim)  # q|k|v pieces
+        for dp_rank in range(3):
+            rows = local.tensor_split(3)[dp_rank]
+            row0 = sum(len(r) for r in local.tensor_split(3)[:dp_rank])
+            for offsets, view in local_chunks(rows, row0, spec, tp_rank, 2):
+                region = full[tuple(slice(o, o + n) for o, n in zip(offsets, view.shape))]
+                assert torch.equal(region, view)
+                count[tuple(slice(o, o + n) for o, n in zip(offsets, view.shape))] += 1
+    assert torch.equal(count, torch.ones_like(full))
+
+
+def test_init_mesh_and_parallelize_train_check_their_arguments() -> None:
+    """Bad degrees, a missing launch and a mesh of the wrong kind are TPCompileErrors saying what to pass."""
+    with pytest.raises(tpcompile.TPCompileError, match="dp must be an int >= 1"):
+        tpcompile.init_mesh(dp=0)
+    with pytest.raises(tpcompile.TPCompileError, match="torchrun --nproc-per-node 4"):
+        tpcompile.init_mesh(dp=2, tp=2)
+    with pytest.raises(tpcompile.TPCompileError, match="DeviceMesh of tpcompile.init_mesh"):
+        tpcompile.parallelize_train(build("gpt"), None, loss_fn=lambda o, t: o.sum())
+
+
+@functools.cache
+def _run_222() -> tuple[list[dict], dict, str]:
+    """One 8-process gloo run of the GPT at (dp, tp, pp) = (2, 2, 2), FSDP, 1F1B, clipped, then a DCP save."""
+    from tpcompile.runtime import launch
+    from hybrid_helpers import hybrid_rank
+    path = tempfile.mkdtemp(prefix="tpcompile-hybrid-")
+    run = {"layout": (2, 2, 2), "name": "gpt", "steps": 3, "clip": 0.5, "save": path}
+    return launch(8, hybrid_rank, run, timeout=300), reference("gpt", 3, clip=0.5), path
+
+
+@pytest.mark.gloo
+def test_fsdp_tp_pp_training_equals_the_single_process_reference() -> None:
+    """8 gloo ranks at (2, 2, 2): every rank's losses and clipped global norms equal one process's (float64)."""
+    ranks, ref, _ = _run_222()
+    for r in ranks:
+        assert max(relative(a, b) for a, b in zip(r["losses"], ref["losses"])) < 1e-9
+        assert max(relative(a, b) for a, b in zip(r["norms"], ref["norms"])) < 1e-9
+
+
+@pytest.mark.gloo
+def test_checkpoint_holds_the_trained_model_at_its_global_shapes() -> None:
+    """The DCP checkpoint the (2, 2, 2) run saved loads into the plain model with stock DCP: the reference's weights."""
+    _, ref, path = _run_222()
+    got = load_plain("gpt", path)
+    assert got.keys() == ref["state"].keys()
+    for name, want in ref["state"].items():
+        assert torch.allclose(got[name], want, rtol=0, atol=1e-9), name
+
+
+@pytest.mark.gloo
+def test_tied_weight_copies_stay_equal_across_stages() -> None:
+    """The GPT's tied embedding / LM head has a copy in stage 0 and stage 1: after training the copies are equal."""
+    ranks, _, _ = _run_222()
+    by_place: dict = {}
+    for r in ranks:
+        c = r["coords"]
+        by_place.setdefault((c["dp"], c["tp"]), []).append(dict(r["tied"]))
+    for copies in by_place.values():
+        assert len(copies) == 2 and copies[0].keys() == copies[1].keys()
+        assert all(torch.equal(copies[0][k], copies[1][k]) for k in copies[0])
+
+
+@pytest.mark.gloo
+def test_fsdp_ranks_hold_an_eighth_of_the_parameters() -> None:
+    """Between steps each rank holds its dp shard of its stage's TP slices: about 1/8 of the model's bytes."""
+    ranks, _, _ = _run_222()
+    ideal = model_bytes("gpt") / 8
+    for place in {(r["coords"]["pp"], r["coords"]["tp"]) for r in ranks}:
+        group = [r for r in ranks if (r["coords"]["pp"], r["coords"]["tp"]) == place]
+        assert sum(r["param_bytes"] for r in group) == group[0]["tp_local_bytes"]  # FSDP shards tile, no padding held
+    worst = max(r["param_bytes"] for r in ranks) / ideal
+    assert worst < 1.2, worst  # the excess: TP-replicated norms and biases, and the tied weight's second copy
