@@ -148,7 +148,7 @@ def test_verify(model_file: Path) -> None:
     lines = proc.stdout.strip().splitlines()
     assert lines[0] == "verify Tiny (tiny.py:Tiny) at world size 4 on random inputs (4x9 int64, seed 1)"
     assert lines[1].startswith("output (4x9x32): max |diff| ") and "rank 3 " in lines[1]
-    worst = float(lines[1].split("max |diff| ")[1].split()[0])
+    worst = float(lines[1].split("max |diff| ")[1].split(",")[0])
     assert worst <= 1e-5
     assert lines[-1].startswith("OK: max |diff| ")
 
@@ -161,8 +161,8 @@ def test_demo(model_file: Path) -> None:
     out = proc.stdout
     assert "launching 2 gloo processes..." in out
     assert "rank 0: forward" in out and "rank 1: forward" in out
-    # the all-reduces at the --inputs shape: 3*7*16 float32 = 1344 B each
-    assert "collectives: 3, 2.6 KiB moved: all_reduce (forward) x2" in out
+    # at the --inputs shape each collective takes 3*7*16 float32 = 1344 B: 3 of them 3.9 KiB (at 2x5, 1.9 KiB)
+    assert "3.9 KiB moved: all_reduce (forward) x2, all_gather_replicated (forward) x1" in out
     assert out.strip().splitlines()[-1].startswith("OK: all 2 ranks match the unsharded model: max |diff| ")
 
 

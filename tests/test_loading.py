@@ -178,8 +178,10 @@ def test_unknown_spec_lists_accepted_forms() -> None:
         load_model("nothing")
 
 
-@pytest.mark.parametrize(("name", "fragment"), [("NeedsArgs", "no arguments"), ("not_a_model", "int"),
-                                                ("number", "int"), ("absent", "no attribute")])
+@pytest.mark.parametrize(("name", "fragment"), [
+    ("NeedsArgs", "no arguments"), ("not_a_model", "int"), ("number", "int"),
+    ("absent", "my_models.py has no 'absent'; it defines: NeedsArgs, Tiny"),  # the file, not an internal module
+])
 def test_bad_file_names(user_file: Path, name: str, fragment: str) -> None:
     """Names in a file that are not usable models raise TPCompileError saying why."""
     with pytest.raises(TPCompileError, match=fragment):
