@@ -64,3 +64,21 @@ def test_readme_verify_block_has_todays_format() -> None:
                         rf"\(rank 0 {num}, rank 1 {num}\)", lines[1]), lines[1]
     assert re.fullmatch(rf"OK: max \|diff\| {num} <= {num} = atol 1e-05 \+ rtol 1.3e-06 x max \|output\| [\d.]+ "
                         r"\(output\) over 2 ranks and 1 outputs", lines[2]), lines[2]
+
+
+def test_torchs_future_warning_is_filtered_by_the_test_config(request: pytest.FixtureRequest) -> None:
+    """The FutureWarning torch raises when copy.deepcopy meets its tree specs matches a filter of the test config."""
+    import copy
+    import warnings
+
+    from torch.utils import _pytree as pytree
+
+    spec = pytree.tree_flatten((1, 2))[1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        copy.deepcopy(spec)
+    assert caught and all(w.category is FutureWarning for w in caught)
+    ignored = [line.split(":") for line in request.config.getini("filterwarnings") if line.startswith("ignore:")]
+    for w in caught:
+        assert any(re.match(message, str(w.message)) and category == "FutureWarning"
+                   for _, message, category, *_ in ignored), str(w.message)
