@@ -122,8 +122,8 @@ def _saved_bytes(module: torch.nn.Module, idx: torch.Tensor) -> int:
     return sum(seen.values())
 
 
-def test_sp_saves_activation_memory(capsys: pytest.CaptureFixture) -> None:
-    """Activation bytes kept per rank shrink with sequence parallelism; the numbers are printed."""
+def test_sp_saves_activation_memory() -> None:
+    """Activation bytes kept per rank shrink with sequence parallelism; the numbers are printed (pytest -s)."""
     model = build("gpt").train()
     idx = _idx(4, 32)
     full = _saved_bytes(copy.deepcopy(model), idx)
@@ -136,11 +136,11 @@ def test_sp_saves_activation_memory(capsys: pytest.CaptureFixture) -> None:
             measured[sp] = tpcompile.simulate_ranks(ws, lambda r: _saved_bytes(ranks[r], idx))[0]
         rows.append((ws, measured[False], measured[True]))
         assert measured[True] < measured[False] < full
-    with capsys.disabled():
-        print(f"\nactivation bytes kept for backward per rank, bundled GPT, batch 4 x 32 tokens: unsharded {full:,}")
-        for ws, tp_only, sp in rows:
-            print(f"  world size {ws}: tensor parallel {tp_only:,}; + sequence parallel {sp:,} "
-                  f"(saves {tp_only - sp:,} bytes, {100 * (tp_only - sp) / tp_only:.0f}%)")
+    # captured by pytest (not in the -q output): shown with -s, or in the report of a failure
+    print(f"\nactivation bytes kept for backward per rank, bundled GPT, batch 4 x 32 tokens: unsharded {full:,}")
+    for ws, tp_only, sp in rows:
+        print(f"  world size {ws}: tensor parallel {tp_only:,}; + sequence parallel {sp:,} "
+              f"(saves {tp_only - sp:,} bytes, {100 * (tp_only - sp) / tp_only:.0f}%)")
 
 
 @pytest.mark.parametrize("ws", [2, 4])
