@@ -176,7 +176,8 @@ def rank_main(rank: int, ws: int, specs: list[tuple[str, dict]], reps: int, trai
               warmup: int) -> dict:
     """Entry point of a rank process (tpcompile.runtime.launch); specs name workload factories."""
     # torch's own deprecation, raised inside copy.deepcopy of its tree specs; nothing a reader can act on
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning)
     out = {}
     for name, kwargs in specs:
         wl = WORKLOADS[name](**kwargs)

@@ -95,7 +95,8 @@ def suggest_inputs(model: nn.Module) -> str:
     if layer is not None and isinstance(layer[1], nn.Embedding):
         return f"--inputs 2x8:long (its first layer {layer[0]} is an Embedding of {layer[1].num_embeddings} rows)"
     if layer is not None and isinstance(layer[1], nn.Linear):
-        return f"--inputs 2x{layer[1].in_features} (its first layer {layer[0]} is a Linear of {layer[1].in_features} inputs)"
+        n = layer[1].in_features
+        return f"--inputs 2x{n} (its first layer {layer[0]} is a Linear of {n} inputs)"
     return "--inputs 2x16:long for token ids, --inputs 4x64 for float features"
 
 
