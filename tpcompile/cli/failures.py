@@ -55,8 +55,9 @@ def explain_capture_failure(exc: TPCompileError, model: torch.nn.Module, name: s
     """A capture failure as the user can act on it: their model's own error on these inputs when it fails
     unsharded too, else torch.export's message with concrete sizes and command-line hints."""
     text = str(exc)
-    if not text.startswith(CAPTURE_FAILED):
-        return exc
+    if not text.startswith(CAPTURE_FAILED):  # a pass's error may still name torch's size symbols
+        plain = concrete_sizes(text, inputs)
+        return exc if plain == text else TPCompileError(plain)
     own = eager_failure(model, args, kwargs)
     if own is not None:
         first = (str(own).strip().splitlines() or [""])[0]
