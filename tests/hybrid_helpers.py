@@ -115,3 +115,23 @@ def relative(a: float, b: float) -> float:
 def model_bytes(name: str) -> int:
     """The plain model's parameter bytes (tied weights once)."""
     return sum(p.numel() * p.element_size() for p in build(name).parameters())
+
+
+def meta_rank(rank: int, weights: str, data_parallel: str) -> list[float]:
+    """One rank at (dp, tp, pp) = (2, 1, 2) training the tiny GPT built on meta, its weights read from `weights`."""
+    import tpcompile
+    from tpcompile.models import GPT, GPTConfig
+    mesh = tpcompile.init_mesh(dp=2, pp=2)
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**TINY_GPT)).to(torch.float64).train()
+    data, d, per = batches(3), mesh["dp"].get_local_rank(), BATCH // 2
+    hm = tpcompile.parallelize_train(model, mesh, loss_fn=loss_fn, example_inputs=(data[0][:per],), microbatches=2,
+                                     data_parallel=data_parallel, weights=weights)
+    opt = torch.optim.AdamW(hm.parameters(), lr=1e-2)
+    losses = []
+    for ids in data:
+        mine = ids[d * per:(d + 1) * per]
+        opt.zero_grad()
+        losses.append(hm.step(mine, target=mine).item())
+        opt.step()
+    return losses

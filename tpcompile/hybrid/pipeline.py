@@ -77,9 +77,10 @@ def _meta(node: Node, sizes: dict) -> torch.Tensor:
 class Pipeline:
     """Runs a train step of this rank's stages under a torch pipelining schedule."""
 
-    def __init__(self, modules: list[nn.Module], indices: list[int], n_stages: int, io: list[tuple[list[Node], list[Node]]],
-                 group: Any, device: torch.device, cls: type, microbatches: int,
-                 loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+    def __init__(self, modules: list[nn.Module], indices: list[int], n_stages: int,
+                 io: list[tuple[list[Node], list[Node]]], group: Any, device: torch.device, cls: type,
+                 microbatches: int, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+        """`modules[i]` runs stage `indices[i]` of `n_stages`; `io[s]` is stage s's (inputs, outputs)."""
         self.modules, self.indices, self.n_stages, self.io = modules, indices, n_stages, io
         self.group, self.device, self.microbatches, self.loss_fn = group, device, microbatches, loss_fn
         if issubclass(cls, Schedule1F1B) and microbatches < n_stages:
@@ -105,7 +106,13 @@ class Pipeline:
                                             input_args=tuple(_meta(n, sizes) for n in ins),
                                             output_args=tuple(_meta(n, sizes) for n in outs), group=self.group))
             one = stages[0] if issubclass(self.cls, PipelineScheduleSingle) else stages
-            self._built[key] = self.cls(one, n_microbatches=self.microbatches, loss_fn=self._loss, scale_grads=False)
+            try:
+                self._built[key] = self.cls(one, n_microbatches=self.microbatches, loss_fn=self._loss,
+                                            scale_grads=False)
+            except ValueError as e:  # torch's own condition on microbatches and stages
+                raise TPCompileError(f"schedule {self.cls.__name__} over {self.n_stages} stages cannot run "
+                                     f"{self.microbatches} microbatches: {e}; change microbatches or the "
+                                     f"schedule") from e
         return self._built[key]
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:

@@ -127,6 +127,8 @@ def parallelize_train(model: nn.Module, mesh: DeviceMesh, *, loss_fn: Callable[[
     if on_meta:
         example_inputs, example_kwargs = _to(example_inputs, capture_device), _to(example_kwargs, capture_device)
     cap = capture(model, example_inputs, example_kwargs)
+    if activation_checkpointing:
+        _check_no_dropout(cap.gm)
     layout = InputLayout(model, cap.gm, cap.example_args, cap.example_kwargs)
     pieces = split_pieces(cap.gm, find_blocks(model))
     stages = group_pieces(pieces, n_stages)
@@ -165,6 +167,22 @@ def parallelize_train(model: nn.Module, mesh: DeviceMesh, *, loss_fn: Callable[[
     if weights is not None:
         _load(hm, weights, on_meta)
     return hm
+
+
+def _check_no_dropout(gm: nn.Module) -> None:
+    """Activation checkpointing recomputes forward in backward; a live dropout would draw other masks there."""
+    aten = torch.ops.aten
+    for node in gm.graph.nodes:
+        p = None
+        if node.target in (aten.dropout.default, aten.native_dropout.default):
+            training = node.args[2] if len(node.args) > 2 else True
+            p = node.args[1] if training else None
+        elif node.target is aten.scaled_dot_product_attention.default:
+            p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+        if p:
+            raise TPCompileError(f"activation_checkpointing with dropout: {node.format_node()} (p={p}) would draw "
+                                 f"different masks when backward recomputes it; set the model's dropout to 0 or "
+                                 f"call model.eval(), or pass activation_checkpointing=False")
 
 
 def _aliases(gm: nn.Module) -> dict[str, list[str]]:
