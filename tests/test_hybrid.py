@@ -6,6 +6,7 @@ The full matrix of layouts, models and data-parallel modes is tests/test_hybrid_
 from __future__ import annotations
 
 import functools
+import math
 import tempfile
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 import tpcompile
-from hybrid_helpers import build, inputs, load_plain, model_bytes, reference, relative
+from hybrid_helpers import batches, build, inputs, load_plain, loss_fn, model_bytes, reference, relative
 from tpcompile.api import shard_captured
 from tpcompile.capture import Captured, capture
 from tpcompile.hybrid.checkpoint import TensorSpec, local_chunks
@@ -182,3 +183,35 @@ def test_fsdp_ranks_hold_an_eighth_of_the_parameters() -> None:
         assert sum(r["param_bytes"] for r in group) == group[0]["tp_local_bytes"]  # FSDP shards tile, no padding held
     worst = max(r["param_bytes"] for r in ranks) / ideal
     assert worst < 1.2, worst  # the excess: TP-replicated norms and biases, and the tied weight's second copy
+
+
+@pytest.mark.gloo
+def test_one_process_mesh_trains_llama_like_the_plain_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-process mesh (plain python): Llama's ModelOutput, GPipe microbatches, 2- and inf-norm clipping as torch."""
+    import torch.distributed as dist
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.setenv(key, "x")  # recorded as absent, so the test leaves the environment as it was
+        monkeypatch.delenv(key)
+    mesh = tpcompile.init_mesh()
+    try:
+        ref_model, data = build("llama"), [b[:4] for b in batches(2)]
+        hm = tpcompile.parallelize_train(build("llama"), mesh, loss_fn=loss_fn, microbatches=2, schedule="GPipe",
+                                         example_kwargs=inputs("llama", data[0])[1])
+        assert dict(hm.named_parameters()).keys() == dict(ref_model.named_parameters()).keys()
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (hm, ref_model)]
+        for ids, norm_type in zip(data, (2.0, math.inf)):
+            for opt in opts:
+                opt.zero_grad()
+            got = hm.step(input_ids=ids, use_cache=False, target=ids)
+            want = loss_fn(ref_model(input_ids=ids, use_cache=False), ids)
+            want.backward()
+            assert relative(got.item(), want.item()) < 1e-12
+            norm = hm.clip_grad_norm_(0.1, norm_type=norm_type)
+            want_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.1, norm_type)
+            assert relative(norm.item(), want_norm.item()) < 1e-12
+            for opt in opts:
+                opt.step()
+        for name, p in hm.named_parameters():
+            assert torch.allclose(p.full_tensor(), ref_model.get_parameter(name), rtol=0, atol=1e-12), name
+    finally:
+        dist.destroy_process_group()

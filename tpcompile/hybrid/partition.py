@@ -12,7 +12,7 @@ import torch
 from torch.fx import Node
 
 from tpcompile.errors import TPCompileError
-from tpcompile.hybrid.pieces import Piece, is_parameter
+from tpcompile.hybrid.pieces import Piece
 
 # parameter, gradient, and AdamW's exp_avg and exp_avg_sq: the bytes a trained parameter costs
 STATE_COPIES = 4
@@ -40,7 +40,7 @@ def piece_cost(piece: Piece) -> int:
     """Parameter bytes x STATE_COPIES plus activation bytes of one piece."""
     params = {id(t): t for _, t in piece.gm.named_parameters()} if piece.gm is not None else {}
     weights = sum(t.numel() * t.element_size() for t in params.values())
-    acts = sum(_bytes(n.meta.get("val")) for n in piece.nodes if not is_parameter(n))
+    acts = sum(_bytes(n.meta.get("val")) for n in piece.nodes)
     return STATE_COPIES * weights + acts
 
 

@@ -91,34 +91,24 @@ def _assign(gm: GraphModule, blocks: list[str]) -> list[Piece]:
     return pieces
 
 
-def is_parameter(node: Node) -> bool:
-    """A get_attr of a trainable parameter (its value carries gradients)."""
-    val = node.meta.get("val")
-    return node.op == "get_attr" and isinstance(val, torch.Tensor) and val.requires_grad
+def size_only_values(gm: GraphModule) -> set[Node]:
+    """Values computed from sizes and non-parameter buffers alone (recomputable in any piece).
+
+    One pass in graph order: a value is size-only when every input is (a sym_size of anything is;
+    a placeholder's tensor or a parameter never is).
+    """
+    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    out: set[Node] = set()
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            if n.target not in params:
+                out.add(n)
+        elif n.op == "call_function" and (n.target is aten.sym_size.int or all(a in out for a in n.all_input_nodes)):
+            out.add(n)
+    return out
 
 
-class _Kinds:
-    """Which captured values are computed from sizes and constant buffers only (recomputable anywhere)."""
-
-    def __init__(self) -> None:
-        self.memo: dict[Node, bool] = {}
-
-    def size_only(self, n: Node) -> bool:
-        if n not in self.memo:
-            if n.op == "placeholder":
-                self.memo[n] = False
-            elif n.op == "get_attr":
-                self.memo[n] = not is_parameter(n)
-            elif n.op == "call_function" and n.target is aten.sym_size.int:
-                self.memo[n] = True
-            elif n.op == "call_function":
-                self.memo[n] = all(self.size_only(a) for a in n.all_input_nodes)
-            else:
-                self.memo[n] = False
-        return self.memo[n]
-
-
-def _wire(pieces: list[Piece], output: Node, kinds: _Kinds) -> None:
+def _wire(pieces: list[Piece], output: Node, size_only: set[Node]) -> None:
     """Each piece's inputs (activations from elsewhere) and outputs (what others or the model need)."""
     home = {n: p for p in pieces for n in p.nodes}
     needed: dict[int, list[Node]] = {id(p): [] for p in pieces}
@@ -126,7 +116,7 @@ def _wire(pieces: list[Piece], output: Node, kinds: _Kinds) -> None:
         mine = set(p.nodes)
         for n in p.nodes:
             for a in n.all_input_nodes:
-                if a in mine or a.op == "get_attr" or kinds.size_only(a) or a in p.inputs:
+                if a in mine or a.op == "get_attr" or a in size_only or a in p.inputs:
                     continue
                 p.inputs.append(a)
                 if a in home and a not in needed[id(home[a])]:
@@ -165,7 +155,7 @@ def canonical_names(gm: GraphModule) -> dict[str, str]:
     return out
 
 
-def build_piece_graph(root: GraphModule, piece: Piece, kinds: _Kinds, canon: dict[str, str]) -> GraphModule:
+def build_piece_graph(root: GraphModule, piece: Piece, canon: dict[str, str]) -> GraphModule:
     """The piece as a GraphModule: its inputs as placeholders, its outputs as a tuple; a tied
     parameter is read under its first name in every piece."""
     graph = fx.Graph()
@@ -204,10 +194,10 @@ def split_pieces(gm: GraphModule, blocks: list[str]) -> list[Piece]:
             gm.graph.erase_node(n)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     pieces = _assign(gm, blocks)
-    kinds, canon = _Kinds(), canonical_names(gm)
-    _wire(pieces, output, kinds)
+    _wire(pieces, output, size_only_values(gm))
+    canon = canonical_names(gm)
     for p in pieces:
-        p.gm = build_piece_graph(gm, p, kinds, canon)
+        p.gm = build_piece_graph(gm, p, canon)
     return [p for p in pieces if p.outputs or p.block]
 
 
