@@ -11,7 +11,8 @@ import os
 import time
 
 import pytest
-from fuzz_models import FuzzConfig, describe_failure, fuzz_configs, run_case
+from fuzz_cases import describe_failure, run_case
+from fuzz_models import FuzzConfig, fuzz_configs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import tpcompile
 from tpcompile.models import build
 from tpcompile.ops import collectives
-from tpcompile.passes.rewrite import local_tensor
+from tpcompile.passes.rank_module import local_tensor
 from tpcompile.placement import ParamSlice
 from tpcompile.runtime import launch
 from tpcompile.runtime.backends import DistBackend

@@ -8,7 +8,7 @@ import torch
 
 import tpcompile
 from tpcompile.models import GPT, GPTConfig
-from tpcompile.passes.rewrite import local_tensor
+from tpcompile.passes.rank_module import local_tensor
 from tpcompile.placement import ParamSlice
 
 

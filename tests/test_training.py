@@ -28,7 +28,7 @@ from torch import nn
 import tpcompile
 from tpcompile.models import build
 from tpcompile.ops import collectives
-from tpcompile.passes.rewrite import local_tensor
+from tpcompile.passes.rank_module import local_tensor
 
 STEPS = 5
 LR = 1e-2

@@ -137,7 +137,8 @@ def test_verify_pass_checks_every_split_parameter() -> None:
     with pytest.raises(tpcompile.TPCompileError, match=r"parameter fc\.bias: split size 6"):
         verify_pass(None, ctx)
     ctx.param_slices["fc.bias"] = ParamSlice(0)
-    assert verify_pass("graph", ctx) == "graph"
+    gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+    assert verify_pass(gm, ctx) is gm
 
 
 def test_verify_is_cheap(gpt_sharded: tuple) -> None:

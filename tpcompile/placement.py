@@ -124,6 +124,12 @@ def segment_ranges(size: int, segments: Optional[Sequence[int]], rank: int, worl
     return ranges
 
 
+def slice_placement(sl: ParamSlice) -> Shard:
+    """The placement of a parameter cut by `sl`, as its readers see it."""
+    return Shard(sl.dim, sl.segments if sl.segments and len(sl.segments) > 1 else None, padded=sl.padded,
+                 pieces=sl.pieces)
+
+
 def local_shape(shape: Sequence[Any], p: Any, rank: int, world_size: int) -> tuple:
     """The shape rank `rank` holds of a value of global `shape` placed as `p` (sizes may be symbolic)."""
     out = list(shape)

@@ -1,4 +1,4 @@
-"""Front end: torch.export (non-strict) with every input dim dynamic, and the graph's names."""
+"""torch.export (non-strict) with every input dim dynamic: the captured graph, its inputs' names and guards."""
 from __future__ import annotations
 
 import inspect
@@ -11,7 +11,11 @@ from torch import nn
 from torch.export import Dim
 from torch.utils import _pytree as pytree
 
+from tpcompile.capture.input_dims import fixed_dims, install_guards, warn_fixed
+from tpcompile.capture.model_state import model_state_kept
+from tpcompile.capture.signature import explicit_signature
 from tpcompile.errors import TPCompileError
+from tpcompile.ops.guards import autocast_state
 
 log = logging.getLogger("tpcompile")
 
@@ -25,6 +29,8 @@ class Captured:
     example_args: tuple
     example_kwargs: dict
     module_paths: set[str] = field(default_factory=set)
+    fixed_dims: tuple = ()  # FixedDim per input dim the capture fixed (ops/guards.py)
+    autocast: tuple = ()  # the autocast state captured under (ops/guards.autocast_state)
 
 
 def infer_example_inputs(model: nn.Module) -> tuple[tuple, dict]:
@@ -92,7 +98,12 @@ def capture(model: nn.Module, example_inputs: tuple = (), example_kwargs: Option
                              f"pass example_inputs=(...) and example_kwargs={{...}} that forward accepts") from e
     log.info("capturing %s with torch.export", name)
     try:
-        ep = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
+        with model_state_kept(model), explicit_signature(model, args, kwargs):
+            if dynamic_shapes is None:
+                shapes = auto_dynamic_shapes(model, args, kwargs)  # by the explicit signature's names
+            ep = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
+    except TPCompileError:
+        raise
     except Exception as e:  # torch.export raises many types; all mean the same to the user
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise TPCompileError(
@@ -101,5 +112,9 @@ def capture(model: nn.Module, example_inputs: tuple = (), example_kwargs: Option
             f"dimension that cannot vary (e.g. dynamic_shapes={{'x': None}}); torch.cond for "
             f"data-dependent Python control flow") from e
     gm = ep.module()
+    fixed = fixed_dims(gm, args, kwargs)
+    warn_fixed(fixed, args, kwargs, model)
+    install_guards(gm, fixed, autocast_state())
     return Captured(gm=gm, model_name=name, example_args=args, example_kwargs=kwargs,
-                    module_paths={n for n, _ in model.named_modules() if n})
+                    module_paths={n for n, _ in model.named_modules() if n}, fixed_dims=fixed,
+                    autocast=autocast_state())

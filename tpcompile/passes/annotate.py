@@ -8,9 +8,11 @@ from torch.fx import GraphModule, Node
 
 from tpcompile.passes.pass_context import PassContext, module_path, owner_path
 from tpcompile.sharding_rules import RuleSpec, lookup
+from tpcompile.sharding_rules.rule_context import weight_view
 
 _SPLITS = {"split", "unbind"}
 _FOLLOW = {"pointwise", "reshape"}
+_THROUGH = {"pointwise", "reshape", "norm"}  # what lies between a low-rank pair's two projections
 
 
 def annotate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
@@ -28,13 +30,63 @@ def annotate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
         if spec is not None and spec.rule in ("weight_matmul", "embedding"):
             spec = RuleSpec(spec.rule, {**spec.args, "owner": _owner(node, spec, ctx)})
         node.meta["tp_rule"] = spec
+    for down, up in _low_rank_pairs(gm, ctx):
+        down.meta["tp_rule"] = RuleSpec("weight_matmul", {**down.meta["tp_rule"].args, "low_rank": "down"})
+        up.meta["tp_rule"] = RuleSpec("weight_matmul", {**up.meta["tp_rule"].args, "low_rank_from": down})
     return gm
+
+
+def _weight_sizes(node: Node, ctx: PassContext) -> Optional[tuple[int, int]]:
+    """(in, out) features of a weight matmul with a 2-D parameter weight, else None."""
+    spec = node.meta.get("tp_rule")
+    if spec is None or spec.rule != "weight_matmul":
+        return None
+    w, transposed = weight_view(node.args[spec.get("weight")] if spec.get("weight") < len(node.args) else None)
+    if w is None or w.target not in ctx.tensors or ctx.tensors[w.target].dim() != 2:
+        return None
+    rows, cols = ctx.tensors[w.target].shape
+    out_in = (spec.get("weight_layout") == "out_in") != transposed
+    return (int(cols), int(rows)) if out_in else (int(rows), int(cols))
+
+
+def _low_rank_pairs(gm: GraphModule, ctx: PassContext) -> list[tuple[Node, Node]]:
+    """(down, up) projections through a narrow value: out <= in/8, and everything computed from that value
+    (dropout, scaling, a norm, a reshape; nothing else mixed in) flows into one weight matmul that widens it
+    again (LoRA A -> B, MLA's q_a -> q_b). A value that also goes elsewhere or meets another activation (a
+    residual stream) makes no pair.
+
+    Megatron and vLLM keep such a down-projection whole on every rank and split the up-projection,
+    which needs no communication; propagation does the same when the down-projection's input is whole.
+    """
+    pairs = []
+    for node in gm.graph.nodes:
+        sizes = _weight_sizes(node, ctx)
+        if sizes is None or sizes[1] * 8 > sizes[0]:
+            continue
+        ends, region, todo = set(), {node}, list(node.users)
+        while todo and len(region) < 32:
+            u = todo.pop()
+            if u in region or u in ends:
+                continue
+            spec = u.meta.get("tp_rule")
+            if _weight_sizes(u, ctx) is not None:
+                ends.add(u)
+            elif u.op == "call_function" and spec is not None and spec.rule in _THROUGH and all(
+                    i in region or i.op == "get_attr" for i in u.all_input_nodes):  # nothing else mixed in
+                region.add(u)
+                todo += list(u.users)
+            else:
+                ends.add(None)  # the value escapes the chain
+        up = next(iter(ends)) if len(ends) == 1 and not todo else None
+        if up is not None and _weight_sizes(up, ctx)[0] == sizes[1]:
+            pairs.append((node, up))
+    return pairs
 
 
 def _owner(node: Node, spec: RuleSpec, ctx: PassContext) -> Optional[str]:
     """The module a weight op belongs to: its weight's module, or the caller's for tied weights."""
-    w = node.args[spec.get("weight", 0)]
-    if not (isinstance(w, Node) and w.op == "get_attr" and w.target in ctx.tensors):
+    w, _ = weight_view(node.args[spec.get("weight", 0)])
+    if w is None or w.target not in ctx.tensors:
         return None
     tied = len(ctx.aliases(w.target)) > 1
     return (module_path(node) if tied else "") or owner_path(w.target)

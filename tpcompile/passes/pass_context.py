@@ -24,6 +24,8 @@ class PassContext:
     demoted: dict[Node, str] = field(default_factory=dict)  # seed -> why it is replicated
     pieces: dict[Node, int] = field(default_factory=dict)  # seed -> pieces, when fewer than ranks
     param_slices: dict[str, Optional[ParamSlice]] = field(default_factory=dict)
+    param_seeds: dict[str, frozenset] = field(default_factory=dict)  # split parameter -> the seeds that cut it
+    notes: dict[Node, str] = field(default_factory=dict)  # weight op left whole by choice -> why (last round)
     warnings: list[str] = field(default_factory=list)
     iterations: int = 0
     _names: Optional[dict[int, list[str]]] = field(default=None, repr=False)  # id(tensor) -> names

@@ -60,9 +60,12 @@ def build_plan(gm: GraphModule, ctx: PassContext) -> Plan:
         if layout is None or spec is None or spec.rule not in SEED_RULES:
             continue
         path = seed_path(node)
-        if path is not None:
-            plan.modules[path] = layout.role if layout.role in SPLIT_ROLES else "replicated"
-    for seed, why in ctx.demoted.items():
+        role = layout.role if layout.role in SPLIT_ROLES else "replicated"
+        # a module read by several weight ops (an embedding whose weight is also the head `h @ W.t()`):
+        # the first split role names it
+        if path is not None and plan.modules.get(path, "replicated") == "replicated":
+            plan.modules[path] = role
+    for seed, why in [*ctx.demoted.items(), *ctx.notes.items()]:
         if seed_path(seed) is not None:
             plan.replicated[seed_path(seed)] = why
     seen: set[int] = set()

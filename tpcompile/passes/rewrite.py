@@ -5,15 +5,17 @@ import operator
 from typing import Any, Callable, Optional
 
 import torch
-from torch import fx, nn
+from torch import fx
 from torch.fx import GraphModule, Node
 
 import tpcompile.ops  # noqa: F401  (registers torch.ops.tpcompile.* and tpcompile_rng.*)
 from tpcompile.ops.schedule import collective_name
-from tpcompile.passes.pass_context import PassContext, internal_error
+from tpcompile.ops.guards import check_token_ids
+from tpcompile.passes.pass_context import PassContext, describe, internal_error
+from tpcompile.passes.rank_module import build_rank_module
 from tpcompile.passes.rewrite_dropout import emit_dropout, emit_sdpa_with_dropout, is_live_dropout, sdpa_dropout
-from tpcompile.placement import Replicate, Shard, is_seq, local_shape, rank_pieces, shape_key, slice_shape
-from tpcompile.sharding_rules.rule_context import Want
+from tpcompile.placement import Replicate, Shard, is_seq, local_shape, shape_key, slice_shape
+from tpcompile.sharding_rules.rule_context import Want, weight_view
 
 aten = torch.ops.aten
 tp = torch.ops.tpcompile
@@ -76,7 +78,7 @@ class _Emitter:
 
 def rewrite_pass(gm: GraphModule, ctx: PassContext, rank: int) -> GraphModule:
     """Return rank `rank`'s GraphModule: same inputs and outputs as the model, local weights."""
-    return _module(gm, ctx, rank, rewrite_graph(gm, ctx, rank))
+    return build_rank_module(gm, ctx, rank, rewrite_graph(gm, ctx, rank))
 
 
 def rewrite_graph(gm: GraphModule, ctx: PassContext, rank: int) -> fx.Graph:
@@ -154,11 +156,14 @@ def _rewrite_node(em: _Emitter, node: Node) -> None:
 def _piece_params(em: _Emitter, node: Node) -> dict[Node, Node]:
     """Parameters cut into fewer pieces than ranks: their gradients summed over the sharing ranks."""
     out = {}
-    for p in node.all_input_nodes:
-        sl = em.ctx.slice_for(p.target) if p.op == "get_attr" else None
+    for arg in node.all_input_nodes:
+        p, transposed = weight_view(arg)
+        sl = em.ctx.slice_for(p.target) if p is not None else None
         if sl is not None and sl.pieces:
-            out[p] = em._once(("pieces", p), torch.ops.tpcompile.grad_piece_all_reduce.default,
+            summed = em._once(("pieces", p), torch.ops.tpcompile.grad_piece_all_reduce.default,
                               em.env[p], sl.dim, sl.pieces, em.ctx.group)
+            # a weight read through a transpose: the transpose again, of the summed piece
+            out[arg] = em.call(arg.target, summed, *arg.args[1:]) if transposed else summed
     return out
 
 
@@ -183,7 +188,12 @@ def _emit_row(em: _Emitter, node: Node, lookup: Callable[[Node], Node]) -> Node:
     # the same matmul without its bias (addmm's bias goes, leaving mm)
     y = em.call(aten.mm.default if node.target is aten.addmm.default else node.target, x, w)
     y = _reduce(em, node, y)
-    return em.call(aten.add.Tensor, y, lookup(bias)) if isinstance(bias, Node) else y
+    if not isinstance(bias, Node):
+        return y
+    b, out = lookup(bias), node.meta.get("val")
+    if isinstance(out, torch.Tensor) and out.dtype != bias.meta["val"].dtype:  # autocast cast the fused bias too
+        b = em.call(aten._to_copy.default, b, dtype=out.dtype)
+    return em.call(aten.add.Tensor, y, b)
 
 
 def _reduce(em: _Emitter, node: Node, y: Node) -> Node:
@@ -198,7 +208,9 @@ def _emit_vocab(em: _Emitter, node: Node, lookup: Callable[[Node], Node]) -> Nod
     """Vocabulary split: look up only this rank's rows, zero the rest, one all-reduce."""
     w, idx = lookup(node.args[0]), lookup(node.args[1])
     sl = em.ctx.slice_for(node.args[0].target)
-    vocab = sl.padded or int(node.args[0].meta["val"].shape[0])
+    rows_in_model = int(node.args[0].meta["val"].shape[0])
+    idx = em.call(check_token_ids, idx, rows_in_model, describe(node))  # the original raises on such ids
+    vocab = sl.padded or rows_in_model
     start, stop = em.rank * vocab // em.ws, (em.rank + 1) * vocab // em.ws
     outside = em.call(aten.bitwise_or.Tensor, em.call(aten.lt.Scalar, idx, start), em.call(aten.ge.Scalar, idx, stop))
     local = em.call(aten.masked_fill.Scalar, em.call(aten.sub.Scalar, idx, start), outside, 0)
@@ -238,46 +250,3 @@ def _stale_metadata_assert(node: Node) -> bool:
     if node.target is not aten._assert_tensor_metadata.default:
         return False
     return node.kwargs.get("size") is not None and isinstance(node.args[0].meta.get("tp_placement"), Shard)
-
-
-def local_tensor(t: torch.Tensor, sl: Any, rank: int, ws: int) -> torch.Tensor:
-    """This rank's piece of a parameter (a copy, so ranks never share storage)."""
-    if sl is None:
-        return t.detach().clone()
-    out = t.new_zeros(slice_shape(t.shape, sl, ws))  # what no run covers is vocabulary padding
-    for start, local, n in rank_pieces(sl, t.shape[sl.dim], rank, ws):
-        out.narrow(sl.dim, local, n).copy_(t.detach().narrow(sl.dim, start, n))
-    return out
-
-
-def _module(gm: GraphModule, ctx: PassContext, rank: int, graph: fx.Graph) -> GraphModule:
-    """Wrap the rank graph with this rank's parameters, tied parameters kept as one object."""
-    root = nn.Module()
-    made: dict[int, torch.Tensor] = {}
-    params = dict(gm.named_parameters(remove_duplicate=False))
-    for name, t in ctx.tensors.items():
-        if id(t) not in made:
-            local = local_tensor(t, ctx.slice_for(name), rank, ctx.world_size)
-            made[id(t)] = nn.Parameter(local, requires_grad=t.requires_grad) if name in params else local
-        _set(root, name, made[id(t)], is_param=name in params)
-    for name, mod in gm.named_children():
-        if not any(k.startswith(name + ".") for k in ctx.tensors):
-            setattr(root, name, mod)
-    out = GraphModule(root, graph, class_name=f"ShardedRank{rank}")
-    for attr in ("_in_spec", "_out_spec"):
-        if hasattr(gm, attr):
-            setattr(out, attr, getattr(gm, attr))
-    return out
-
-
-def _set(root: nn.Module, name: str, value: torch.Tensor, *, is_param: bool) -> None:
-    *path, leaf = name.split(".")
-    mod = root
-    for p in path:
-        if not hasattr(mod, p):
-            mod.add_module(p, nn.Module())
-        mod = getattr(mod, p)
-    if is_param:
-        setattr(mod, leaf, value)
-    else:
-        mod.register_buffer(leaf, value)

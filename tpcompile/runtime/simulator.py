@@ -8,6 +8,7 @@ Every group key names the whole simulated world.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -171,13 +172,17 @@ def simulate_ranks(world_size: int, fn: Callable[[int], Any], *,
     world = _World(world_size, float(timeout))
     results: list[Any] = [None] * world_size
     errors: dict[int, BaseException] = {}
-    grad_enabled = torch.is_grad_enabled()  # grad mode is per thread: carry the caller's over
+    grad_enabled = torch.is_grad_enabled()  # grad mode and autocast are per thread: carry the caller's over
+    autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
 
     def run(rank: int) -> None:
         """Run fn as this thread's rank and report how it ended."""
         _local.rank = SimulatedRank(world, rank)
         try:
-            with torch.set_grad_enabled(grad_enabled):
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.set_grad_enabled(grad_enabled))
+                for device, dtype in autocast:
+                    stack.enter_context(torch.autocast(device, dtype=dtype))
                 results[rank] = fn(rank)
             world.end_rank(rank, None)
         except BaseException as e:  # noqa: BLE001  any failure must release the other ranks

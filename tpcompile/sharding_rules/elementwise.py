@@ -48,6 +48,17 @@ def pointwise(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     return Result(target, wants)
 
 
+@rule("pointwise_inplace", listed=True)
+def pointwise_inplace(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """add_ / mul_ / relu_ ...: as their out-of-place twins, when the result keeps the written input's placement."""
+    res = pointwise(node, spec, ctx)
+    target = node.args[0]
+    if res.conflict is None and ctx.is_tensor(target) and ctx.placement(target) != res.out:
+        return Result(REPLICATE, [Want(n, REPLICATE) for n in _tensor_args(node, ctx)],
+                      conflict=f"writes a {res.out} result into {target.name} in place, which is {ctx.placement(target)}")
+    return res
+
+
 @rule("along_dim", args={"dim_arg": int})
 def along_dim(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """softmax / cumsum along one dim: fine unless that dim is the sharded one."""

@@ -8,7 +8,7 @@ from torch.fx import Node
 
 from tpcompile.placement import REPLICATE, Replicate, Shard, moved, padded_size, shard
 from tpcompile.sharding_rules.registry import rule
-from tpcompile.sharding_rules.rule_context import ParamSlice, Result, RuleContext, Want
+from tpcompile.sharding_rules.rule_context import ParamSlice, Result, RuleContext, Want, weight_view
 from tpcompile.sharding_rules.table import RuleSpec
 
 
@@ -20,11 +20,12 @@ def _arg(node: Node, i: Optional[int]) -> Any:
                              "weight_layout": ("out_in", "in_out")})  # out_in: F.linear, in_out: x @ W
 def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """linear / addmm / mm / matmul: column split on a replicated input, row split on a sharded one."""
-    x, w, b = _arg(node, spec.get("input")), _arg(node, spec.get("weight")), _arg(node, spec.get("bias"))
+    x, b = _arg(node, spec.get("input")), _arg(node, spec.get("bias"))
+    w, transposed = weight_view(_arg(node, spec.get("weight")))  # W, or W.t() read as W the other way round
     wshape = ctx.shape(w)
     if ctx.param(w) is None or wshape is None or len(wshape) != 2:
         return activation_matmul(node, spec, ctx)
-    out_in = spec.get("weight_layout") == "out_in"
+    out_in = (spec.get("weight_layout") == "out_in") != transposed
     out_dim, in_dim = (0, 1) if out_in else (1, 0)
     px = ctx.placement(x)
     xshape = ctx.shape(x)
@@ -34,6 +35,9 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if ctx.demoted(node):
         return Result(REPLICATE, [Want(x, REPLICATE)], role="replicated", params=params)
     if isinstance(px, Replicate) or (isinstance(px, Shard) and px.seq):
+        why = _keep_whole(spec)
+        if why:
+            return Result(REPLICATE, [Want(x, REPLICATE)], role="replicated", params=params, note=why)
         segments = ctx.segment_hint(node) or (wshape[out_dim],)
         bad = [s for s in segments if s % ctx.world_size]
         padded = None
@@ -63,6 +67,17 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return Result(out, [Want(x, px)] + bias, role="row", params=params)
     return Result(REPLICATE, [Want(x, REPLICATE)], params=params,
                   conflict=f"input is sharded on dim {px.dim}, not on the contracted dim")
+
+
+def _keep_whole(spec: RuleSpec) -> Optional[str]:
+    """Why a low-rank projection with a whole input stays whole (annotate pairs them), or None."""
+    if spec.get("low_rank") == "down":
+        return "low-rank down-projection: whole on every rank (its up-projection is split instead)"
+    partner = spec.get("low_rank_from")
+    layout = partner.meta.get("tp_layout") if partner is not None else None
+    if layout is not None and layout.role == "row":
+        return "low-rank up-projection after a row split: its input is whole after the reduce, and so is its output"
+    return None
 
 
 @rule("matmul")

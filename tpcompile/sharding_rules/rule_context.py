@@ -9,6 +9,7 @@ import torch
 from torch.fx import Node
 
 from tpcompile.placement import REPLICATE, ParamSlice, Placement, Replicate, Shard
+from tpcompile.sharding_rules.table import op_name
 
 Size = Any  # an int or a sympy expression (a dynamic dimension)
 
@@ -35,6 +36,7 @@ class Result:
     demote_self: Optional[str] = None  # a seed that cannot be split, and why
     blame: Optional[list[Node]] = None  # the inputs at fault in a conflict (default: all sharded)
     regroup: Optional[int] = None  # the conflict goes away if the origins split into this many pieces
+    note: Optional[str] = None  # why a weight op is deliberately left whole (shown in the plan)
 
 
 def to_size(s: Any) -> Size:
@@ -112,6 +114,30 @@ class RuleContext:
     def all_replicated(self, nodes: Sequence[Any]) -> bool:
         """True when every tensor among `nodes` is replicated."""
         return all(isinstance(self.placement(n), Replicate) for n in nodes if self.is_tensor(n))
+
+
+_TRANSPOSES = ("aten.t.default", "aten.numpy_T.default", "aten.transpose.int", "aten.permute.default")
+
+
+def weight_view(arg: Any) -> tuple[Optional[Node], bool]:
+    """(the get_attr node, transposed?) for a weight argument that is a 2-D parameter read or its
+    transpose (`h @ W.t()`, `W.T`); (None, False) for anything else."""
+    if not isinstance(arg, Node):
+        return None, False
+    if arg.op == "get_attr":
+        return arg, False
+    src = arg.args[0] if arg.op == "call_function" and arg.args else None
+    if not (isinstance(src, Node) and src.op == "get_attr"):
+        return None, False
+    op = op_name(arg.target)
+    if op not in _TRANSPOSES:
+        return None, False
+    val = src.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != 2:
+        return None, False
+    if op == "aten.permute.default" and [d % 2 for d in arg.args[1]] != [1, 0]:
+        return None, False
+    return src, True
 
 
 def norm_dim(dim: int, ndim: int) -> int:

@@ -198,6 +198,17 @@ def transpose(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     return Result(moved(p, d), [Want(x, p)])
 
 
+@rule("reverse")
+def reverse(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """numpy_T (`W.T`): every dim reversed, so the sharded dim d lands at ndim - 1 - d."""
+    done = _passthrough(node, ctx)
+    if done:
+        return done
+    x = node.args[0]
+    p = ctx.placement(x)
+    return Result(moved(p, len(ctx.shape(x)) - 1 - p.dim), [Want(x, p)])
+
+
 @rule("permute")
 def permute(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """permute: the sharded dim goes where the permutation puts it."""

@@ -1,0 +1,25 @@
+"""Leave the user's model as it was found: capture runs forward on fake tensors, and a forward that
+stores what it computes (a cached mask, a rotary table, `self.last = x`) would keep the fake tensor."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+from torch import nn
+
+
+@contextmanager
+def model_state_kept(model: nn.Module) -> Iterator[None]:
+    """Restore every submodule's attributes, parameters, buffers and children on exit."""
+    saved = [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules))
+             for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, attrs, params, buffers, children in saved:
+            m.__dict__.clear()
+            m.__dict__.update(attrs)
+            # the dicts themselves are the originals (restored above); their contents may have changed
+            for live, kept in ((m._parameters, params), (m._buffers, buffers), (m._modules, children)):
+                live.clear()
+                live.update(kept)
