@@ -1,24 +1,24 @@
 """One round of propagation: a Sweep over the graph in order (see passes/propagate.py for the rounds).
 
-`visit` asks each node's rule, `judge` blames or regroups the origins of a conflict, `record`
+`visit` asks each node's rule (passes/op_result.py), `judge` blames or regroups the origins of a conflict, `record`
 writes node.meta['tp_placement'] and ['tp_layout'], `read_parameter` places a parameter read as
 the previous round cut it, `settle_parameters` gives each parameter one cut.
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
-from typing import Any, Collection, Optional
+from typing import Any, Optional
 
 import torch
 from torch.fx import GraphModule, Node
 
+from tpcompile.passes.op_result import check_wants, gathering_seq, op_result
 from tpcompile.passes.pass_context import PassContext, describe, internal_error
-from tpcompile.placement import REPLICATE, ParamSlice, Replicate, Shard, is_seq, slice_placement
-from tpcompile.sharding_rules.registry import apply_rule
+from tpcompile.placement import REPLICATE, ParamSlice, Shard, is_seq, slice_placement
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, weight_view
 
 SEED_RULES = ("weight_matmul", "embedding")  # the ops that hold the weights a split starts from
+WRITE_RULES = ("write_into",)  # in-place writes into a buffer, which they cut like the value written
 SEED_ROLES = ("column", "vocab")  # the roles that start a split (a row split ends one)
 _INPUT_LIKE = ("reshape", "pointwise", "expand")  # ops that keep a model input a model input
 
@@ -69,7 +69,7 @@ class Sweep:
             world_size=ctx.world_size, placement=self.placement, requires_grad=lambda n: self.grad.get(n, False),
             param=self.param, is_user_input=_is_user_input, demoted=lambda n: n in ctx.demoted,
             segment_hint=lambda n: n.meta["tp_rule"].get("segments"),
-            sequence_parallel=ctx.sequence_parallel, pieces_of=ctx.pieces.get)
+            sequence_parallel=ctx.sequence_parallel, pieces_of=ctx.pieces.get, buffer=self.buffer)
 
     def run(self) -> None:
         """Visit every node in order, then settle each parameter's slice."""
@@ -101,6 +101,13 @@ class Sweep:
         p = n.meta.get("tp_placement", REPLICATE)
         return _replicated_like(p) if self.doomed and n in self.origins and self.origins[n] <= self.doomed else p
 
+    def buffer(self, n: Any) -> Optional[torch.Tensor]:
+        """The buffer a get_attr node reads (a KV cache, a running statistic), else None."""
+        if isinstance(n, Node) and n.op == "get_attr":
+            t = self.ctx.tensors.get(n.target)
+            return t if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) else None
+        return None
+
     def param(self, n: Any) -> Optional[torch.Tensor]:
         """The parameter a get_attr node reads, else None."""
         if isinstance(n, Node) and n.op == "get_attr":
@@ -118,7 +125,7 @@ class Sweep:
         """Ask the op's rule, judge any conflict, record the result."""
         src = self.sources(node)  # before judging: blaming dooms seeds, which changes what inputs read as
         try:
-            res = _result(node, self.rules, self.placement)
+            res = op_result(node, self.rules, self.placement)
         except Exception as e:  # a rule bug: name the node and pass, keep the cause
             raise internal_error("propagate", node, e) from e
         self.record(node, self.judge(node, res, src), src)
@@ -128,9 +135,9 @@ class Sweep:
         inputs = node.all_input_nodes
         why, blame = res.conflict, res.blame
         if why is None:
-            why, blame = _check_wants(res, self.placement, _weight_args(node))
+            why, blame = check_wants(res, self.placement, _weight_args(node))
         if why and any(is_seq(self.placement(i)) for i in inputs):
-            res, why, blame = _gathering_seq(node, self.rules, self.placement, res, why, blame)
+            res, why, blame = gathering_seq(node, self.rules, self.placement, res, why, blame)
         # A conflicted op is taken as replicated for the rest of the sweep. That guess is what
         # the next round computes when every origin of its inputs is replicated; when only some
         # are (or they are regrouped), what follows it is a guess, judged in the next round.
@@ -186,23 +193,15 @@ class Sweep:
 def _weight_args(node: Node) -> set:
     """The weight and bias arguments of a weight op (it cuts them itself), else nothing."""
     spec = node.meta.get("tp_rule")
+    if node.op == "call_function" and spec is not None and spec.rule in WRITE_RULES:
+        dst = node.args[0]
+        return {dst} if isinstance(dst, Node) and dst.op == "get_attr" else set()
     if node.op != "call_function" or spec is None or spec.rule not in SEED_RULES:
         return set()
     positions = [spec.get("weight"), spec.get("bias")] if spec.rule == "weight_matmul" else [0]
     args = [node.args[i] for i in positions if i is not None and i < len(node.args)]
     return {w for w in (weight_view(a)[0] for a in args) if w is not None} | \
         {a for a in args if isinstance(a, Node) and a.op == "call_function" and weight_view(a)[0] is not None}
-
-
-def _gathering_seq(node: Node, rules: RuleContext, placement: Any, res: Result, why: str, blame: Any) -> tuple:
-    """Retry an op that cannot take token-split inputs with those inputs gathered first."""
-    gathered = {i for i in node.all_input_nodes if is_seq(placement(i))}
-
-    def view(n: Any) -> Any:
-        return REPLICATE if n in gathered else placement(n)
-    retry = _result(node, rules.seeing(view), view)
-    again = retry.conflict or _check_wants(retry, view)[0]
-    return (res, why, blame) if again else (retry, None, None)
 
 
 def _sharded(p: Any) -> bool:
@@ -222,68 +221,6 @@ def _is_user_input(node: Node) -> bool:
             return False
         node = node.args[0]
     return False
-
-
-def _result(node: Node, rules: RuleContext, placement: Any) -> Result:
-    """The rule's answer for a node; an op with no rule is replicated, a conflict if an input is split."""
-    spec = node.meta.get("tp_rule")
-    if spec is not None:
-        return apply_rule(node, spec, rules)
-    tensors = [i for i in node.all_input_nodes if rules.is_tensor(i)]
-    if node.target is operator.getitem:
-        p = placement(node.args[0])
-        out = p[node.args[1]] if isinstance(p, tuple) else REPLICATE
-        return Result(out, [])
-    res = Result(REPLICATE, [Want(i, REPLICATE) for i in tensors])
-    if not rules.all_replicated(tensors):
-        res.conflict = "no sharding rule for this op (add a row to sharding_rules/ops.yaml)"
-        written = [w for w in _written(node) if not isinstance(placement(w), Replicate)]
-        if written:  # e.g. nn.Embedding(max_norm=...) renormalising rows of a vocabulary-split weight
-            res.conflict = (f"it updates {_value_name(written[0])} in place and that value is split across ranks "
-                            f"(each rank would update its slice as if it were the whole)")
-            res.blame = written
-    if node.target is torch.ops.aten.sym_size.int and isinstance(placement(node.args[0]), Shard):
-        res.conflict = None if placement(node.args[0]).dim != node.args[1] else "size of a sharded dim"
-    return res
-
-
-def _written(node: Node) -> list[Node]:
-    """The inputs an in-place op writes to (its schema's mutable arguments)."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return []
-    return [a for a, arg in zip(node.args, schema.arguments)
-            if isinstance(a, Node) and arg.alias_info is not None and arg.alias_info.is_write]
-
-
-def _value_name(node: Node) -> str:
-    """'parameter e.weight' for a parameter read (through detach / alias), else the node's name."""
-    for _ in range(4):
-        if node.op == "get_attr":
-            return f"parameter {node.target}"
-        if node.op != "call_function" or not node.args or not isinstance(node.args[0], Node):
-            break
-        node = node.args[0]
-    return node.name
-
-
-def _check_wants(res: Result, placement: Any, own: Collection[Node] = ()) -> tuple[Optional[str], Optional[list[Node]]]:
-    """Why an input cannot be brought to the placement the rule wants, and which, if any.
-
-    `own`: the op's own weights, which it cuts itself (how the previous round cut them does not bind it).
-    """
-    for w in res.wants:
-        if w.node in own:
-            continue
-        have = placement(w.node)
-        if have == w.placement:
-            continue
-        if isinstance(have, Replicate) and isinstance(w.placement, Shard) and w.placement.plain:
-            continue  # a local slice, no communication
-        if is_seq(have) and isinstance(w.placement, Replicate):
-            continue  # an all-gather of the tokens
-        return f"input {w.node.name} is {have} but the op needs {w.placement}", [w.node]
-    return None, None
 
 
 def _replicated_like(out: Any) -> Any:

@@ -81,6 +81,7 @@ class RuleContext:
     segment_hint: Callable[[Node], Optional[tuple[int, ...]]]  # a fused projection's segments (annotate)
     sequence_parallel: bool = False
     pieces_of: Callable[[Node], Optional[int]] = _no_pieces  # a seed split into fewer pieces than ranks
+    buffer: Callable[[Any], Optional[torch.Tensor]] = lambda n: None  # the buffer a get_attr node reads, else None
 
     def seeing(self, placement: Callable[[Any], Placement]) -> "RuleContext":
         """The same context with placements read through `placement`."""
