@@ -1,21 +1,14 @@
 """Random transformer-style models for property-based tests: a config strategy, the model, one case's run."""
 from __future__ import annotations
 
-import copy
 import math
-import traceback
-import warnings
-from dataclasses import asdict, dataclass, replace
-from typing import Optional, Sequence
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
 from torch import nn
 
-import tpcompile
-from tpcompile.api import shard_captured
-from tpcompile.capture import Captured, capture
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "tanh")
 BLOCK_SIZE = 16  # longest sequence the manual attention mask and learned positions cover

@@ -10,7 +10,6 @@ that size), and every fixed dim gets a run-time check that names it (ops/guards.
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import torch
 from torch import fx, nn

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, ParamSlice, Replicate, Shard
+from tpcompile.placement import REPLICATE, ParamSlice, Shard
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim
 from tpcompile.sharding_rules.table import RuleSpec
