@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import warnings
 
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from tpcompile.errors import TPCompileError, TPCompileWarning
 from tpcompile.passes.pass_context import PassContext
@@ -82,10 +82,25 @@ def _warn(ctx: PassContext) -> None:
     by_reason: dict[str, list[str]] = {}
     for seed, why in ctx.demoted.items():
         if why != "replicated by the plan":
-            by_reason.setdefault(why, []).append(seed_path(seed) or seed.name)
+            by_reason.setdefault(_root_cause(seed, why, ctx), []).append(seed_path(seed) or seed.name)
     for why, paths in by_reason.items():
         names = sorted(set(paths))
         msg = (f"{why}; replicating {', '.join(names)} (results stay exact, this part is not split; "
                f"plan={{{names[0]!r}: 'replicate'}} says so explicitly and silences this)")
         ctx.warnings.append(msg)
         warnings.warn(msg, TPCompileWarning, stacklevel=4)
+
+
+def _root_cause(seed: Node, why: str, ctx: PassContext) -> str:
+    """`why`, and the upstream replication it follows from when the seed was a row split before that.
+
+    4 heads at 3 ranks replicate q/k/v; the output projection then sees a whole input, becomes a
+    column split, and is blamed at the next norm. The warning names q/k/v and their reason too.
+    """
+    upstream = [o for o in ctx.row_inputs.get(seed, ()) if o in ctx.demoted and o is not seed]
+    if not upstream:
+        return why
+    names = sorted({seed_path(o) or o.name for o in upstream})
+    cause = ctx.demoted[min(upstream, key=lambda o: seed_path(o) or o.name)]
+    return (f"{why}; its input is whole only because {', '.join(names)} {'is' if len(names) == 1 else 'are'} "
+            f"replicated (the root cause: {cause})")

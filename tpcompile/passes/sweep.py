@@ -57,6 +57,7 @@ class Sweep:
         self.conflicts: list[tuple[frozenset, str]] = []
         self.regroups: list[tuple[frozenset, int]] = []
         self.tainted: set[Node] = set()  # downstream of a conflict whose guess may be wrong
+        self.lost: dict[Node, frozenset] = {}  # node -> the seeds whose splits conflicts took from its inputs
         ctx.notes = {}
         self.assumed = dict(ctx.param_slices)  # how the previous round cut each parameter
         self.assumed_seeds = dict(ctx.param_seeds)
@@ -128,7 +129,12 @@ class Sweep:
             res = op_result(node, self.rules, self.placement)
         except Exception as e:  # a rule bug: name the node and pass, keep the cause
             raise internal_error("propagate", node, e) from e
-        self.record(node, self.judge(node, res, src), src)
+        # the splits lost on the way here (blamed at a conflict, or doomed): a seed fed by them is whole-input
+        lost = frozenset().union(*(self.lost.get(i, frozenset()) for i in node.all_input_nodes))
+        lost |= frozenset().union(*(self.origins[i] for i in node.all_input_nodes if i in self.origins
+                                    and self.origins[i] <= self.doomed and i.op != "get_attr"))
+        res = self.judge(node, res, src)
+        self.record(node, res, src, lost | self.lost.get(node, frozenset()))
 
     def judge(self, node: Node, res: Result, src: frozenset) -> Result:
         """Blame the origins of a conflict (or ask to regroup them); a conflicted op reads as replicated."""
@@ -155,13 +161,14 @@ class Sweep:
             else:
                 self.conflicts.append((blamed or src, f"{describe(node)}: {why}"))
                 self.doomed.update(blamed or src)
+                self.lost[node] = blamed or src
                 if (blamed or src) != src:
                     self.tainted.add(node)
         if why:
             res = Result(_replicated_like(res.out), [Want(w.node, REPLICATE) for w in res.wants])
         return res
 
-    def record(self, node: Node, res: Result, src: frozenset) -> None:
+    def record(self, node: Node, res: Result, src: frozenset, lost: frozenset = frozenset()) -> None:
         """Write the node's placement and layout; note its parameter uses and its origins."""
         for p, sl in res.params.items():
             self.requests.setdefault(p.target, {}).setdefault(sl, set()).add(node)
@@ -169,6 +176,12 @@ class Sweep:
         node.meta["tp_layout"] = Layout(res.role, res.wants, res.localize)
         if res.note:
             self.ctx.notes[node] = res.note
+        if lost:
+            self.lost[node] = lost
+        if res.role == "row":  # what made it a row split: if those are replicated later, that is the root cause
+            self.ctx.row_inputs.setdefault(node, src)
+        elif res.role == "column" and lost:  # would have been a row split, had its input kept its splits
+            self.ctx.row_inputs.setdefault(node, lost)
         if _sharded(res.out) and not is_seq(res.out):
             self.origins[node] = src | (frozenset([node]) if res.role in SEED_ROLES else frozenset())
 
