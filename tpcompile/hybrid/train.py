@@ -97,6 +97,22 @@ def _wrap(stage: nn.Module, mesh: DeviceMesh, data_parallel: str, pp: int) -> nn
     return stage
 
 
+def _materialise_and_wrap(stage: nn.Module, mesh: DeviceMesh, data_parallel: str, pp: int,
+                          device: torch.device, on_meta: bool) -> nn.Module:
+    """The stage on `device`, wrapped; a meta stage gets storage for its FSDP shards only (DDP: all of it)."""
+    if not on_meta:
+        return _wrap(stage.to(device), mesh, data_parallel, pp)
+    if data_parallel == "fsdp":  # shard on meta first, then allocate just this rank's shards
+        wrapped = _wrap(stage, mesh, data_parallel, pp)
+        stage.to_empty(device=device)
+    else:  # DDP broadcasts real tensors when it wraps
+        wrapped = _wrap(stage.to_empty(device=device), mesh, data_parallel, pp)
+    with torch.no_grad():
+        for t in list(stage.parameters()) + list(stage.buffers()):
+            t.zero_()  # vocabulary padding must be zeros; everything else is loaded afterwards
+    return wrapped
+
+
 def parallelize_train(model: nn.Module, mesh: DeviceMesh, *, loss_fn: Callable[[Any, Any], torch.Tensor],
                       example_inputs: Any = (), example_kwargs: Optional[dict] = None, microbatches: int = 1,
                       schedule: str = "1F1B", data_parallel: str = "fsdp", weights: Any = None,
@@ -150,15 +166,8 @@ def parallelize_train(model: nn.Module, mesh: DeviceMesh, *, loss_fn: Callable[[
         stage = build_stage(idx, stages[idx], ranked, *io[idx], activation_checkpointing=activation_checkpointing)
         for gm in [stage, *blocks_of(stage)]:
             retarget(gm, capture_device, device)
-        if on_meta:
-            stage.to_empty(device=device)
-            with torch.no_grad():
-                for t in list(stage.parameters()) + list(stage.buffers()):
-                    t.zero_()  # vocabulary padding must be zeros; everything else is loaded below
-        else:
-            stage.to(device)
         built[idx] = stage
-        wrapped[idx] = _wrap(stage, mesh, data_parallel, pp)
+        wrapped[idx] = _materialise_and_wrap(stage, mesh, data_parallel, pp, device, on_meta)
     ties = TiedGrads(holders, mesh)
     pipeline = Pipeline([wrapped[i] for i in mine], mine, n_stages, io, mesh["pp"].get_group(), device, cls,
                         microbatches, lambda out, target: loss_fn(layout.model_output(out), target))
