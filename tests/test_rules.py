@@ -110,18 +110,19 @@ def test_norm_over_split_dim_replicates_with_a_named_warning() -> None:
 
 
 class UnknownOp(nn.Module):
-    """An op with no row in the table applied to a split value."""
+    """An op with no row in the table applied along a split dim, which DTensor's strategy cannot keep split either."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc, self.out = nn.Linear(16, 32), nn.Linear(32, 16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.cummax(self.fc(x), dim=0).values)
+        return self.out(torch.cummax(self.fc(x), dim=1).values)
 
 
 def test_op_without_rule_is_replicated_and_named() -> None:
-    """aten.cummax has no rule: its region is replicated and the warning names the op."""
+    """aten.cummax along the split dim has no rule and no DTensor strategy: its region is replicated, the warning
+    names the op."""
     with pytest.warns(tpcompile.TPCompileWarning, match=r"aten.cummax.default .*no sharding rule"):
         sm = _check(UnknownOp(), torch.randn(4, 16))
     assert sm.plan.modules["fc"] == "replicated"
