@@ -70,7 +70,8 @@ class Sweep:
             world_size=ctx.world_size, placement=self.placement, requires_grad=lambda n: self.grad.get(n, False),
             param=self.param, is_user_input=_is_user_input, demoted=lambda n: n in ctx.demoted,
             segment_hint=lambda n: n.meta["tp_rule"].get("segments"),
-            sequence_parallel=ctx.sequence_parallel, pieces_of=ctx.pieces.get, buffer=self.buffer)
+            sequence_parallel=ctx.sequence_parallel, pieces_of=ctx.pieces.get, buffer=self.buffer,
+            split_bytes=self.split_bytes)
 
     def run(self) -> None:
         """Visit every node in order, then settle each parameter's slice."""
@@ -115,6 +116,12 @@ class Sweep:
             t = self.ctx.tensors.get(n.target)
             return t if isinstance(t, torch.nn.Parameter) else None
         return None
+
+    def split_bytes(self, n: Node) -> int:
+        """Bytes of the weights the origins of a split value cut (what replicating them would cost)."""
+        tensors = {id(t): t for seed in self.origins.get(n, frozenset()) for w in _weight_args(seed)
+                   for t in [self.ctx.tensors.get(w.target)] if t is not None}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def sources(self, node: Node) -> frozenset:
         """The origins of the node's sharded inputs (a weight op's own weights are not data to it)."""

@@ -82,6 +82,7 @@ class RuleContext:
     sequence_parallel: bool = False
     pieces_of: Callable[[Node], Optional[int]] = _no_pieces  # a seed split into fewer pieces than ranks
     buffer: Callable[[Any], Optional[torch.Tensor]] = lambda n: None  # the buffer a get_attr node reads, else None
+    split_bytes: Callable[[Node], int] = lambda n: 0  # bytes of the weights whose splits a value carries (origins)
 
     def seeing(self, placement: Callable[[Any], Placement]) -> "RuleContext":
         """The same context with placements read through `placement`."""
