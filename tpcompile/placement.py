@@ -59,8 +59,22 @@ class Shard:
                 and self.outer is None and self.pieces is None)
 
 
-Placement = Union[Replicate, Shard]
+@dataclass(frozen=True)
+class Partial:
+    """Each rank holds a summand and the value is their sum: a row split's result before its all-reduce.
+
+    It stays pending through ops linear in it (reshapes, scaling by a whole value, sums, gathers of
+    rows, adding other pending sums), so that the expert outputs of a mixture of experts are
+    combined locally and reduced once (sharding_rules/partial.py decides; DTensor's Partial("sum")).
+    """
+
+    def __str__(self) -> str:
+        return "P"
+
+
+Placement = Union[Replicate, Shard, Partial]
 REPLICATE = Replicate()
+PARTIAL = Partial()
 
 
 def shard(dim: int, segments: Optional[Sequence[int]] = None) -> Shard:
