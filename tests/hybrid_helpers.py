@@ -135,3 +135,8 @@ def meta_rank(rank: int, weights: str, data_parallel: str) -> list[float]:
         losses.append(hm.step(mine, target=mine).item())
         opt.step()
     return losses
+
+
+def hybrid_runs(rank: int, runs: list[dict]) -> list[dict]:
+    """Several hybrid runs one after another in the same rank processes (starting processes is the slow part)."""
+    return [hybrid_rank(rank, run) for run in runs]

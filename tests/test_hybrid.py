@@ -1,4 +1,4 @@
-"""Hybrid parallelism: the graph split, stages and checkpoint chunks in-process, and one 8-rank gloo run.
+"""Hybrid parallelism: the graph split, stages and checkpoint chunks in-process, and one 4-process gloo launch.
 
 The full matrix of layouts, models and data-parallel modes is tests/test_hybrid_matrix.py
 (pytest -m hybrid), whose results docs/hybrid.md records.
@@ -35,20 +35,6 @@ def _captured(name: str) -> tuple[torch.nn.Module, Captured, tuple, dict]:
 
 def _logits(out: object) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
-
-
-def test_pieces_run_in_order_equal_the_model() -> None:
-    """Pre, one piece per block and post, run one after another, give the model's logits exactly."""
-    model, cap, a, k = _captured("gpt")
-    pieces = split_pieces(cap.gm, find_blocks(model))
-    assert [p.block for p in pieces] == [False, True, True, True, True, False]
-    assert all(len(p.inputs) == 1 for p in pieces[1:])  # masks, rotary tables and sizes are recomputed, not passed
-    placeholders = [n for n in cap.gm.graph.nodes if n.op == "placeholder"]
-    env = dict(zip(placeholders, pytree.tree_leaves((a, k))))
-    for p in pieces:
-        env.update(zip(p.outputs, p.gm(*[env[i] for i in p.inputs])))
-    out = next(n for n in cap.gm.graph.nodes if n.op == "output").args[0]
-    assert torch.equal(env[out[0]], _logits(model(*a, **k)))
 
 
 def test_sharded_pieces_equal_the_model() -> None:
@@ -131,29 +117,35 @@ def test_init_mesh_and_parallelize_train_check_their_arguments() -> None:
         tpcompile.parallelize_train(build("gpt"), None, loss_fn=lambda o, t: o.sum())
 
 
+LAYOUTS = [(2, 1, 2), (1, 2, 2)]  # (dp, tp, pp): FSDP over 2 with 2 stages; TP over 2 with 2 stages
+
+
 @functools.cache
-def _run_222() -> tuple[list[dict], dict, str]:
-    """One 8-process gloo run of the GPT at (dp, tp, pp) = (2, 2, 2), FSDP, 1F1B, clipped, then a DCP save."""
+def _runs() -> tuple[list[list[dict]], dict, str]:
+    """One 4-process gloo launch training the GPT at both LAYOUTS (FSDP, 1F1B, clipped); a checkpoint of the first."""
+    from hybrid_helpers import hybrid_runs
     from tpcompile.runtime import launch
-    from hybrid_helpers import hybrid_rank
     path = tempfile.mkdtemp(prefix="tpcompile-hybrid-")
-    run = {"layout": (2, 2, 2), "name": "gpt", "steps": 3, "clip": 0.5, "save": path}
-    return launch(8, hybrid_rank, run, timeout=300), reference("gpt", 3, clip=0.5), path
+    runs = [{"layout": layout, "name": "gpt", "steps": 3, "clip": 0.5, "save": path if i == 0 else None}
+            for i, layout in enumerate(LAYOUTS)]
+    by_rank = launch(4, hybrid_runs, runs, timeout=300)
+    return [[r[i] for r in by_rank] for i in range(len(LAYOUTS))], reference("gpt", 3, clip=0.5), path
 
 
 @pytest.mark.gloo
-def test_fsdp_tp_pp_training_equals_the_single_process_reference() -> None:
-    """8 gloo ranks at (2, 2, 2): every rank's losses and clipped global norms equal one process's (float64)."""
-    ranks, ref, _ = _run_222()
-    for r in ranks:
+@pytest.mark.parametrize("at", range(len(LAYOUTS)), ids=[str(t) for t in LAYOUTS])
+def test_hybrid_training_equals_the_single_process_reference(at: int) -> None:
+    """4 gloo ranks at (2, 1, 2) and (1, 2, 2): every rank's losses and clipped global norms equal one process's."""
+    runs, ref, _ = _runs()
+    for r in runs[at]:
         assert max(relative(a, b) for a, b in zip(r["losses"], ref["losses"])) < 1e-9
         assert max(relative(a, b) for a, b in zip(r["norms"], ref["norms"])) < 1e-9
 
 
 @pytest.mark.gloo
 def test_checkpoint_holds_the_trained_model_at_its_global_shapes() -> None:
-    """The DCP checkpoint the (2, 2, 2) run saved loads into the plain model with stock DCP: the reference's weights."""
-    _, ref, path = _run_222()
+    """The DCP checkpoint saved at (2, 1, 2) loads into the plain model with stock DCP: the reference's weights."""
+    _, ref, path = _runs()
     got = load_plain("gpt", path)
     assert got.keys() == ref["state"].keys()
     for name, want in ref["state"].items():
@@ -161,28 +153,28 @@ def test_checkpoint_holds_the_trained_model_at_its_global_shapes() -> None:
 
 
 @pytest.mark.gloo
-def test_tied_weight_copies_stay_equal_across_stages() -> None:
+@pytest.mark.parametrize("at", range(len(LAYOUTS)), ids=[str(t) for t in LAYOUTS])
+def test_tied_weight_copies_stay_equal_across_stages(at: int) -> None:
     """The GPT's tied embedding / LM head has a copy in stage 0 and stage 1: after training the copies are equal."""
-    ranks, _, _ = _run_222()
+    runs, _, _ = _runs()
     by_place: dict = {}
-    for r in ranks:
-        c = r["coords"]
-        by_place.setdefault((c["dp"], c["tp"]), []).append(dict(r["tied"]))
+    for r in runs[at]:
+        by_place.setdefault((r["coords"]["dp"], r["coords"]["tp"]), []).append(dict(r["tied"]))
     for copies in by_place.values():
         assert len(copies) == 2 and copies[0].keys() == copies[1].keys()
         assert all(torch.equal(copies[0][k], copies[1][k]) for k in copies[0])
 
 
 @pytest.mark.gloo
-def test_fsdp_ranks_hold_an_eighth_of_the_parameters() -> None:
-    """Between steps each rank holds its dp shard of its stage's TP slices: about 1/8 of the model's bytes."""
-    ranks, _, _ = _run_222()
-    ideal = model_bytes("gpt") / 8
-    for place in {(r["coords"]["pp"], r["coords"]["tp"]) for r in ranks}:
-        group = [r for r in ranks if (r["coords"]["pp"], r["coords"]["tp"]) == place]
-        assert sum(r["param_bytes"] for r in group) == group[0]["tp_local_bytes"]  # FSDP shards tile, no padding held
-    worst = max(r["param_bytes"] for r in ranks) / ideal
-    assert worst < 1.2, worst  # the excess: TP-replicated norms and biases, and the tied weight's second copy
+def test_fsdp_ranks_hold_a_quarter_of_the_parameters() -> None:
+    """At (2, 1, 2) each rank holds its dp shard of its stage between steps: about 1/4 of the model's bytes."""
+    runs, _, _ = _runs()
+    ideal = model_bytes("gpt") / 4
+    for pp in (0, 1):
+        stage = [r for r in runs[0] if r["coords"]["pp"] == pp]
+        assert sum(r["param_bytes"] for r in stage) == stage[0]["tp_local_bytes"]  # shards tile, no padding held
+    worst = max(r["param_bytes"] for r in runs[0]) / ideal
+    assert worst < 1.2, worst  # the excess: the tied weight's second copy, stage imbalance
 
 
 @pytest.mark.gloo
