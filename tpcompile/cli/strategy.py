@@ -36,7 +36,8 @@ def add_parser(sub: argparse._SubParsersAction, parent: argparse.ArgumentParser)
     p.add_argument("--inter-bw", metavar="RATE", help="network bandwidth per GPU across nodes, e.g. 50GB/s "
                                                       "(default; 400Gb/s also reads)")
     p.add_argument("--flops", metavar="RATE", help="dense peak per GPU, e.g. 989TFLOPS (default)")
-    p.add_argument("--efficiency", metavar="FRACTION", help="fraction of --flops matmuls reach (default 0.45)")
+    p.add_argument("--efficiency", metavar="FRACTION",
+                   help="fraction of --flops matmuls reach (default 0.56, fit to a published run: docs/strategy.md)")
     p.add_argument("--global-batch", type=int, required=True, metavar="B", help="samples per training step")
     p.add_argument("--seq-len", type=int, default=None, metavar="S",
                    help="tokens per sample (default: the example inputs' length)")

@@ -31,7 +31,7 @@ from tpcompile.strategy.quantities import (parse_bytes, parse_flops, parse_fract
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # Fraction of a GPU's dense peak that large training matmuls reach; fit to one published run
 # (docs/strategy.md, "Calibration"), the only constant not read off the model or the flags.
-DEFAULT_EFFICIENCY = 0.45
+DEFAULT_EFFICIENCY = 0.56
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,8 @@ class Cluster:
     intra_latency: float = 10e-6  # seconds per collective step within a node
     inter_latency: float = 20e-6  # seconds per collective step across nodes
     op_overhead: float = 0.0  # seconds per executed op (launch / dispatch)
+    microbatch_overhead: float = 0.0  # seconds per microbatch and stage outside the ops (schedule, loss, hooks)
+    fsdp_overhead: float = 0.0  # seconds per FSDP unit and gather or reduce call outside the transfer
     overlap: float = 1.0  # fraction of data-parallel communication that can hide behind compute
     dtype: str = "bf16"  # compute and activation dtype; weights, gradients and Adam state cost 16 B/param
     memory_margin: float = 0.1  # fraction of GPU memory kept free (allocator, workspace, framework)
@@ -90,7 +92,7 @@ class Cluster:
         return self.inter_bw, self.inter_latency
 
     def describe(self) -> str:
-        """One line: '256 GPUs (32 nodes of 8), 80 GB, 989 TFLOPS x 0.45, 450 / 50 GB/s'."""
+        """One line: '256 GPUs (32 nodes of 8), 80 GB, 989 TFLOPS x 0.56, 450 / 50 GB/s'."""
         from tpcompile.strategy.quantities import format_flops, format_rate
         nodes = max(1, self.gpus // self.gpus_per_node)
         return (f"{self.name + ': ' if self.name else ''}{self.gpus} GPUs ({nodes} node{'s' * (nodes > 1)} of "
@@ -118,6 +120,7 @@ PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "gpus": _int, "gpus_per_node": _int, "gpu_memory": parse_bytes, "intra_bw": parse_rate,
     "inter_bw": parse_rate, "flops": parse_flops, "efficiency": parse_fraction, "memory_bw": parse_rate,
     "intra_latency": parse_seconds, "inter_latency": parse_seconds, "op_overhead": parse_seconds,
+    "microbatch_overhead": parse_seconds, "fsdp_overhead": parse_seconds,
     "overlap": parse_fraction, "dtype": _text, "memory_margin": parse_fraction, "name": _text,
 }
 EXAMPLE = "gpus: 256"

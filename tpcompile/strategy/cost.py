@@ -190,7 +190,8 @@ def _assemble(lay: Layout, b: int, cut: Partition, blocks: _Blocks, parts, clust
               fits: bool, graph: nx.DiGraph) -> Estimate:
     """Step time, memory and communication from the stage cut."""
     m, p = lay.microbatches, lay.pp
-    slowest = cut.slowest
+    over = cluster.microbatch_overhead  # every stage pays it once per microbatch, like its blocks' time
+    slowest = cut.slowest + over
     stage = [(sum(blocks.compute[i:j]), sum(blocks.tp_s[i:j]), sum(blocks.tp_bytes[i:j]),
               blocks.send_s[j - 1], blocks.send_bytes[j - 1] * (2 if training else 1), sum(blocks.params[i:j]),
               sum(blocks.tensors[i:j])) for i, j in cut.bounds]
@@ -198,12 +199,12 @@ def _assemble(lay: Layout, b: int, cut: Partition, blocks: _Blocks, parts, clust
     dp_s, dp_bytes, opt_s = 0.0, 0.0, 0.0
     if training:
         for (i, j), st in zip(cut.bounds, stage):
-            d_s, d_bytes = _data_parallel(st[5], j - i, st[0] * m, st[0], cluster, lay)
+            d_s, d_bytes = _data_parallel(st[5], j - i, st[0] * m, st[0], cluster, lay, training)
             dp_s, dp_bytes = max(dp_s, d_s), max(dp_bytes, d_bytes)
             local = st[5] / (lay.dp if lay.data_parallel == "fsdp" else 1)
             opt_s = max(opt_s, local * OPTIMIZER_BYTES / cluster.memory_bw + st[6] * cluster.op_overhead)
-    time = {"compute": m * mean(0), "tp_comm": m * mean(1), "pp_comm": m * mean(3),
-            "imbalance": m * (slowest - sum(cut.times) / p), "bubble": (p - 1) * slowest,
+    time = {"compute": m * mean(0), "tp_comm": m * mean(1), "pp_comm": m * mean(3), "overhead": m * over,
+            "imbalance": m * (slowest - over - sum(cut.times) / p), "bubble": (p - 1) * slowest,
             "dp_comm": dp_s, "optimizer": opt_s}
     fullest = max(range(p), key=lambda s: cut.memory[s]) if fits else \
         max(range(p), key=lambda s: sum(parts(*cut.bounds[s], s).values()))
@@ -215,11 +216,14 @@ def _assemble(lay: Layout, b: int, cut: Partition, blocks: _Blocks, parts, clust
 
 
 def _data_parallel(params: float, units: int, step_compute: float, micro_compute: float, cluster: Cluster,
-                   lay: Layout) -> tuple[float, float]:
+                   lay: Layout, training: bool) -> tuple[float, float]:
     """Exposed seconds and bytes sent per GPU of one stage's gradient sync over the dp group."""
     d = lay.dp
+    calls = (2 * lay.microbatches if lay.pp == 1 else 1) + 1  # FSDP gathers per microbatch (or once), reduces once
+    # FSDP's own work around each call (the runtime wraps with FSDP even at dp = 1)
+    fsdp_work = units * calls * cluster.fsdp_overhead if lay.data_parallel == "fsdp" and training else 0.0
     if d <= 1:
-        return 0.0, 0.0
+        return fsdp_work, 0.0
     bw, alpha = cluster.link(lay.tp * d)
     grads = params * GRAD_BYTES
     if lay.data_parallel == "fsdp":
@@ -229,11 +233,10 @@ def _data_parallel(params: float, units: int, step_compute: float, micro_compute
         # gathered blocks stay until the step ends; gradients are reduce-scattered once, after the last microbatch
         per_step = (gather.times(2 * lay.microbatches) if lay.pp == 1 else gather) + \
             comm.reduce_scatter(grads, d, bw, alpha)
-        calls = (2 * lay.microbatches if lay.pp == 1 else 1) + 1
         per_step = per_step + comm.Cost((units - 1) * calls * alpha * (d - 1), 0.0)  # one collective per block
         window = step_compute
     else:
         per_step = comm.all_reduce(grads, d, bw, alpha)
         window = micro_compute * 2 / 3  # the last microbatch's backward
     exposed = max(per_step.seconds * (1 - cluster.overlap), per_step.seconds - cluster.overlap * window, 0.0)
-    return exposed, per_step.sent
+    return exposed + fsdp_work, per_step.sent

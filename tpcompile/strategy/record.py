@@ -19,6 +19,7 @@ PART_WORDS = {
     "compute": "more compute per GPU",
     "tp_comm": "more tensor-parallel communication",
     "pp_comm": "more pipeline sends",
+    "overhead": "more per-microbatch overhead",
     "imbalance": "unbalanced pipeline stages",
     "bubble": "a larger pipeline bubble",
     "dp_comm": "more exposed data-parallel gradient sync",

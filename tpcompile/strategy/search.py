@@ -50,13 +50,14 @@ class Result:
     considered: int = 0
 
 
-def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int, training: bool) -> Iterator[Layout]:
-    """Every layout the search considers, all units split."""
+def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int, training: bool,
+               max_pp: Optional[int] = None) -> Iterator[Layout]:
+    """Every layout the search considers (pipeline degree at most max_pp), all units split."""
     n = cluster.gpus
     layers = sum(1 for b in profile.blocks if b.repeated)
     for tp in tp_degrees(cluster):
         for pp in divisors(n // tp):
-            if pp > len(profile.blocks) or (pp > 1 and layers == 0):
+            if pp > len(profile.blocks) or (pp > 1 and layers == 0) or (max_pp is not None and pp > max_pp):
                 continue
             dp = n // (tp * pp)
             if global_batch % dp:
@@ -73,7 +74,7 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int, train
 
 def _lower_bound(profile: ModelProfile, tpp: Optional[TPProfile], cluster: Cluster, lay: Layout,
                  global_batch: int, training: bool) -> tuple[float, float]:
-    """(seconds, bytes) no step of this layout beats: its compute spread evenly over the stages, and the
+    """(seconds, bytes) no step of this layout beats: its compute spread evenly over the stages, over the
     (m + p - 1) stage times of a 1F1B step; its parameter state spread evenly over the stages."""
     b = global_batch // (lay.dp * lay.microbatches)
     dt = cluster.dtype_bytes
@@ -88,16 +89,17 @@ def _lower_bound(profile: ModelProfile, tpp: Optional[TPProfile], cluster: Clust
         fwd = flops * b / cluster.matmul_rate + moved * b * dt / cluster.memory_bw + blk.ops * cluster.op_overhead
         total += fwd * ((3 if training else 1) + (1 if training and lay.recompute and blk.repeated else 0))
     per_param = (STATE_BYTES / (lay.dp if lay.data_parallel == "fsdp" else 1)) if training else dt
-    return total * (lay.microbatches + lay.pp - 1) / lay.pp, params / lay.pp * per_param
+    stage = total / lay.pp + cluster.microbatch_overhead
+    return stage * (lay.microbatches + lay.pp - 1), params / lay.pp * per_param
 
 
 def search(profile: ModelProfile, tpps: dict[int, TPProfile], cluster: Cluster, global_batch: int,
-           training: bool = True) -> Result:
-    """The fastest layout that fits, and the best of each mesh."""
+           training: bool = True, max_pp: Optional[int] = None) -> Result:
+    """The fastest layout that fits (pipeline degree at most max_pp), and the best of each mesh."""
     order: list[tuple[float, Layout]] = []
     smallest: Optional[tuple[float, Layout]] = None  # the least state of the layouts that cannot fit
     considered = 0
-    for lay in candidates(profile, cluster, global_batch, training):
+    for lay in candidates(profile, cluster, global_batch, training, max_pp):
         considered += 1
         seconds, nbytes = _lower_bound(profile, tpps.get(lay.tp), cluster, lay, global_batch, training)
         if nbytes > cluster.usable_memory:  # cannot fit whatever the cut: not worth pricing
