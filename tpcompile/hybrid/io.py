@@ -18,8 +18,26 @@ from torch.utils import _pytree as pytree
 from tpcompile.errors import TPCompileError
 
 
+_TENSOR = object()  # marks an output leaf the last stage returns (others are constants of the model)
+
+
+def graph_io(gm: GraphModule) -> tuple[list[Node], list[Node]]:
+    """The captured graph's tensor inputs (placeholders) and the values it returns, in order."""
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
+    return inputs, [v for v in _leaves(gm) if isinstance(v, Node)]
+
+
+def _leaves(gm: GraphModule) -> list[Any]:
+    """The flat output values of the captured graph (nodes, or constants the model returns)."""
+    leaves = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    return list(leaves) if isinstance(leaves, (tuple, list)) else [leaves]
+
+
 class InputLayout:
-    """How step(*inputs, **kwargs) maps to the first stage's tensors, and the last stage's to the output."""
+    """How step(*inputs, **kwargs) maps to the first stage's tensors, and the last stage's to the output.
+
+    It keeps no reference to the captured graph (whose tensors are the full-size model's).
+    """
 
     def __init__(self, model: nn.Module, gm: GraphModule, args: tuple, kwargs: dict) -> None:
         self.signature = inspect.signature(model.forward)
@@ -28,13 +46,12 @@ class InputLayout:
         self.spec = pytree.tree_structure((tuple(args), dict(kwargs)))
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.tensor_positions = [i for i, n in enumerate(placeholders) if isinstance(n.meta.get("val"), torch.Tensor)]
-        self.inputs: list[Node] = [placeholders[i] for i in self.tensor_positions]
         self.tensor_names = [name for name, v in self.example.items() if _has_tensor(v)]
         info = getattr(gm.graph._codegen, "pytree_info", None)
         self.out_spec = info.out_spec if info is not None else None
-        leaves = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-        self.out_leaves: list[Any] = list(leaves) if isinstance(leaves, (tuple, list)) else [leaves]
-        self.outputs: list[Node] = [v for v in self.out_leaves if isinstance(v, Node)]
+        self.out_leaves = [_TENSOR if isinstance(v, Node) else v for v in _leaves(gm)]
+        vals = [v.meta.get("val") for v in _leaves(gm) if isinstance(v, Node)]
+        self.output_dtype = next((v.dtype for v in vals if isinstance(v, torch.Tensor)), torch.float32)
 
     def first_stage_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         """step()'s arguments as the first stage's tensors, in capture order."""
@@ -64,7 +81,7 @@ class InputLayout:
         """The last stage's output tensors put back into the model's output structure."""
         tensors = list(last) if isinstance(last, (tuple, list)) else [last]
         it = iter(tensors)
-        flat = [next(it) if isinstance(v, Node) else v for v in self.out_leaves]
+        flat = [next(it) if v is _TENSOR else v for v in self.out_leaves]
         if self.out_spec is None:
             return flat[0] if len(flat) == 1 else tuple(flat)
         return pytree.tree_unflatten(flat, self.out_spec)

@@ -33,7 +33,6 @@ class HybridModel:
         self.pipeline, self.layout, self.ties = pipeline, layout, ties
         self.data_parallel, self.schedule = data_parallel, schedule
         self.tp_rank, self.tp = mesh["tp"].get_local_rank(), mesh["tp"].size()
-        self._loss_dtype = next((n.meta["val"].dtype for n in layout.outputs if "val" in n.meta), torch.float32)
 
     @property
     def stage_indices(self) -> list[int]:
@@ -90,7 +89,7 @@ class HybridModel:
             target = target.to(self.pipeline.device)
         mine = self.pipeline.step(tensors, target)
         self.ties.sync(self.local_params())
-        loss = torch.zeros((), dtype=self._loss_dtype, device=self.pipeline.device)
+        loss = torch.zeros((), dtype=self.layout.output_dtype, device=self.pipeline.device)
         if mine is not None:
             loss.copy_(mine)
         pp = self.mesh["pp"]

@@ -28,6 +28,7 @@ from torch.fx import Node
 
 from tpcompile.errors import TPCompileError, TPCompileWarning
 
+Port = tuple[str, Any]  # (name, fake value) of a value a stage receives or sends; no graph reference
 SCHEDULES: dict[str, type] = {"1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B, "gpipe": ScheduleGPipe}
 INTERLEAVE = 2  # stages per rank under an interleaved schedule
 
@@ -45,11 +46,15 @@ def stages_per_rank(cls: type, pp: int) -> int:
     return INTERLEAVE if issubclass(cls, PipelineScheduleMulti) and pp > 1 else 1
 
 
-def _bindings(inputs: list[Node], values: list[torch.Tensor]) -> dict:
+def ports(nodes: list[Node]) -> list[Port]:
+    """(name, fake value) of captured values: what the pipeline needs of them, without the graph."""
+    return [(n.name, n.meta.get("val")) for n in nodes]
+
+
+def _bindings(inputs: list[Port], values: list[torch.Tensor]) -> dict:
     """Symbol -> size, from the captured inputs' symbolic shapes and one microbatch's tensors."""
     out: dict = {}
-    for node, t in zip(inputs, values):
-        val = node.meta.get("val")
+    for (_, val), t in zip(inputs, values):
         if not isinstance(val, torch.Tensor) or not isinstance(t, torch.Tensor) or val.dim() != t.dim():
             continue
         for s, n in zip(val.shape, t.shape):
@@ -58,15 +63,15 @@ def _bindings(inputs: list[Node], values: list[torch.Tensor]) -> dict:
     return out
 
 
-def _meta(node: Node, sizes: dict) -> torch.Tensor:
-    """An empty meta tensor shaped like `node`'s value at the given sizes (floats carry gradients)."""
-    val = node.meta["val"]
+def _meta(port: Port, sizes: dict) -> torch.Tensor:
+    """An empty meta tensor shaped like the value at the given sizes (floats carry gradients)."""
+    name, val = port
     shape = []
     for s in val.shape:
         if isinstance(s, torch.SymInt):
             expr = sympy.sympify(s.node.expr).xreplace(sizes)
             if not expr.is_number:
-                raise TPCompileError(f"the size {s.node.expr} of {node.name} does not follow from the inputs' "
+                raise TPCompileError(f"the size {s.node.expr} of {name} does not follow from the inputs' "
                                      f"sizes; pass inputs whose every dimension was an input of the capture")
             shape.append(int(expr))
         else:
@@ -78,7 +83,7 @@ class Pipeline:
     """Runs a train step of this rank's stages under a torch pipelining schedule."""
 
     def __init__(self, modules: list[nn.Module], indices: list[int], n_stages: int,
-                 io: list[tuple[list[Node], list[Node]]], group: Any, device: torch.device, cls: type,
+                 io: list[tuple[list[Port], list[Port]]], group: Any, device: torch.device, cls: type,
                  microbatches: int, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
         """`modules[i]` runs stage `indices[i]` of `n_stages`; `io[s]` is stage s's (inputs, outputs)."""
         self.modules, self.indices, self.n_stages, self.io = modules, indices, n_stages, io

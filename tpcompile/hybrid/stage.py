@@ -49,9 +49,20 @@ def build_stage(index: int, pieces: list[Piece], ranked: list[GraphModule], inpu
     stage = GraphModule(root, graph, class_name=f"Stage{index}")
     stage.graph.eliminate_dead_code()  # (block outputs only later stages use, unused getitems)
     stage.recompile()
+    for gm in [stage, *blocks_of(stage)]:
+        _prune_meta(gm)
     stage.meta["stage"] = index
     stage.meta["names"] = _model_names(stage)
     return stage
+
+
+KEEP_META = ("val", "tensor_meta", "nn_module_stack", "stack_trace")
+
+
+def _prune_meta(gm: GraphModule) -> None:
+    """Keep shapes and module paths on each node; the compiler's own keys point back at the full-size capture."""
+    for node in gm.graph.nodes:
+        node.meta = {k: v for k, v in node.meta.items() if k in KEEP_META}
 
 
 def _model_names(stage: GraphModule) -> dict[str, str]:

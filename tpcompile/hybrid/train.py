@@ -25,7 +25,7 @@ from tpcompile.api import shard_captured
 from tpcompile.capture import Captured, capture, infer_example_inputs
 from tpcompile.checkpoint.weights import retarget
 from tpcompile.errors import TPCompileError
-from tpcompile.hybrid.io import InputLayout
+from tpcompile.hybrid.io import InputLayout, graph_io
 from tpcompile.hybrid.mesh import MESH_DIMS, mesh_device
 from tpcompile.hybrid.partition import group_pieces, stage_io
 from tpcompile.hybrid.pieces import Piece, find_blocks, split_pieces
@@ -128,7 +128,7 @@ def parallelize_train(model: nn.Module, mesh: DeviceMesh, *, loss_fn: Callable[[
     # the runtime's torch packages (pipelining, FSDP, DTensor, DCP) take seconds to import: only when used
     from tpcompile.hybrid.grads import TiedGrads
     from tpcompile.hybrid.model import HybridModel
-    from tpcompile.hybrid.pipeline import Pipeline, schedule_class, stages_per_rank
+    from tpcompile.hybrid.pipeline import Pipeline, ports, schedule_class, stages_per_rank
     _check(mesh, loss_fn, microbatches, data_parallel)
     pp, tp = mesh["pp"].size(), mesh["tp"].size()
     cls = schedule_class(schedule)
@@ -148,7 +148,7 @@ def parallelize_train(model: nn.Module, mesh: DeviceMesh, *, loss_fn: Callable[[
     layout = InputLayout(model, cap.gm, cap.example_args, cap.example_kwargs)
     pieces = split_pieces(cap.gm, find_blocks(model))
     stages = group_pieces(pieces, n_stages)
-    io = stage_io(stages, layout.inputs, layout.outputs)
+    io = stage_io(stages, *graph_io(cap.gm))
     sharded, specs = _shard_pieces(pieces, cap, set(model.state_dict(keep_vars=True)), tp,
                                     mesh["tp"].get_group(), plan, sequence_parallel)
     by_piece = {id(p): sm for p, sm in zip(pieces, sharded)}
@@ -169,8 +169,9 @@ def parallelize_train(model: nn.Module, mesh: DeviceMesh, *, loss_fn: Callable[[
         built[idx] = stage
         wrapped[idx] = _materialise_and_wrap(stage, mesh, data_parallel, pp, device, on_meta)
     ties = TiedGrads(holders, mesh)
-    pipeline = Pipeline([wrapped[i] for i in mine], mine, n_stages, io, mesh["pp"].get_group(), device, cls,
-                        microbatches, lambda out, target: loss_fn(layout.model_output(out), target))
+    pipeline = Pipeline([wrapped[i] for i in mine], mine, n_stages, [(ports(i), ports(o)) for i, o in io],
+                        mesh["pp"].get_group(), device, cls, microbatches,
+                        lambda out, target: loss_fn(layout.model_output(out), target))
     hm = HybridModel(mesh=mesh, stages=built, wrapped=wrapped, specs=specs, pipeline=pipeline, layout=layout,
                      ties=ties, data_parallel=data_parallel, schedule=cls.__name__.removeprefix("Schedule"))
     if weights is not None:
