@@ -55,8 +55,13 @@ class TiedGrads:
                 made[ranks] = _pp_subgroup(mesh, ranks)
             self.groups[name] = made.get(ranks)
 
-    def sync(self, params: list[LocalParam]) -> None:
-        """Give every copy of a tied weight the sum of all copies' gradients."""
+    def snapshot(self, params: list[LocalParam]) -> dict[int, torch.Tensor]:
+        """The tied copies' gradients before a step (what earlier steps accumulated, equal on every copy)."""
+        return {id(lp.param): local_tensor(lp.param.grad).clone() for lp in params
+                if lp.spec.name in self.groups and lp.param.grad is not None}
+
+    def sync(self, params: list[LocalParam], before: dict[int, torch.Tensor]) -> None:
+        """Add every copy's new gradient (since `before`) to every copy of the same tied weight."""
         for name in self.tied:
             copies = [lp.param for lp in params if lp.spec.name == name]
             if not copies:
@@ -65,13 +70,14 @@ class TiedGrads:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             grads = [local_tensor(p.grad) for p in copies]
-            total = grads[0].clone()
-            for g in grads[1:]:
+            new = [g - before[id(p)] if id(p) in before else g.clone() for p, g in zip(copies, grads)]
+            total = new[0]
+            for g in new[1:]:
                 total.add_(g)
             if self.groups[name] is not None:
                 dist.all_reduce(total, group=self.groups[name])
-            for g in grads:
-                g.copy_(total)
+            for p, g in zip(copies, grads):
+                g.copy_(before[id(p)] + total if id(p) in before else total)
 
 
 def _pp_subgroup(mesh: DeviceMesh, pp_ranks: tuple[int, ...]) -> Any:

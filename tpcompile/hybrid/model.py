@@ -71,7 +71,7 @@ class HybridModel:
                 yield lp.param
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """(original name, parameter) of this rank's parameters; a weight in two local stages appears once."""
+        """(the model's name, parameter) of this rank's parameters."""
         seen: set[int] = set()
         for lp in self.local_params():
             if id(lp.param) not in seen:
@@ -87,8 +87,10 @@ class HybridModel:
         tensors = [t.to(self.pipeline.device) for t in tensors]
         if isinstance(target, torch.Tensor):
             target = target.to(self.pipeline.device)
+        params = self.local_params()
+        before = self.ties.snapshot(params)  # gradients accumulate over steps until zero_grad()
         mine = self.pipeline.step(tensors, target)
-        self.ties.sync(self.local_params())
+        self.ties.sync(self.local_params(), before)
         loss = torch.zeros((), dtype=self.layout.output_dtype, device=self.pipeline.device)
         if mine is not None:
             loss.copy_(mine)
