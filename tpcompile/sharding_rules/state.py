@@ -4,17 +4,22 @@ A split value written into a buffer makes the buffer split the same way: each ra
 its part (its heads of a KV cache), and reads of the buffer see it split. The buffer is cut
 like a weight is cut by its weight op (the write requests a ParamSlice), so it is sliced in
 every rank module, counted in the plan, and loaded and saved per rank.
+
+The destination may also be a view of the buffer that keeps its rank (`cache[:B]`, a batch
+smaller than the one the cache was allocated for): the buffer under the view is cut, and once
+the next round reads the buffer split, the view is split like the value written.
 """
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Optional
 
 from torch.fx import Node
 
 from tpcompile.placement import REPLICATE, ParamSlice, Shard
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim
-from tpcompile.sharding_rules.table import RuleSpec
+from tpcompile.sharding_rules.table import RuleSpec, op_name
 
 
 def _fail(node: Node, tensors: list, why: str) -> Result:
@@ -37,12 +42,36 @@ def write_into(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if i is not None and norm_dim(node.args[i], len(dshape)) == ps.dim:
         return _fail(node, tensors, f"writes along the split dim {ps.dim} of {dst.name}")
     target = replace(ps, split_next=None)
-    buffer = dst.op == "get_attr" and ctx.buffer(dst) is not None
-    if not buffer and pd != target:
+    root = _buffer_under(dst, target.dim, ctx)
+    if root is None and pd != target:
         return _fail(node, tensors, f"writes a {target} value into {dst.name} in place, which is {pd}")
-    params = {dst: ParamSlice(target.dim, None, None, target.pieces)} if buffer and not ctx.demoted(node) else {}
-    if buffer and not params:
-        return _fail(node, tensors, f"writes into buffer {dst.target}, which the plan keeps whole")
-    wants = [Want(dst, target), Want(src, ps)]
+    if root is not None and root is not dst and pd != target and ctx.placement(root) == target:
+        return _fail(node, tensors, f"writes a {target} value into {dst.name} (a view of {root.target}), "
+                                    f"which is {pd}")
+    # a view whose buffer is not cut yet: this round cuts it, the next reads it cut (the view then matches)
+    params = {root: ParamSlice(target.dim, None, None, target.pieces)} if root is not None and not ctx.demoted(node) else {}
+    if root is not None and not params:
+        return _fail(node, tensors, f"writes into buffer {root.target}, which the plan keeps whole")
+    # (a view of a buffer this round has yet to cut is taken as it is: the round is not the last)
+    wants = [Want(dst, target if root is None or root is dst or ctx.placement(root) == target else pd), Want(src, ps)]
     wants += [Want(n, REPLICATE) for n in tensors if n not in (dst, src)]  # indices, positions
     return Result(target, wants, params=params)
+
+
+_VIEWS = ("aten.slice.Tensor", "aten.narrow.default", "aten.alias.default")
+
+
+def _buffer_under(dst: Node, split_dim: int, ctx: RuleContext) -> Optional[Node]:
+    """The buffer's get_attr node when `dst` is a buffer or a same-rank view of one not cut along `split_dim`."""
+    node = dst
+    for _ in range(8):
+        if node.op == "get_attr":
+            return node if ctx.buffer(node) is not None else None
+        if node.op != "call_function" or op_name(node.target) not in _VIEWS or not isinstance(node.args[0], Node):
+            return None
+        shape = ctx.shape(node)
+        if op_name(node.target) != "aten.alias.default" and norm_dim(node.args[1] if len(node.args) > 1 else
+                                                                      node.kwargs.get("dim", 0), len(shape)) == split_dim:
+            return None
+        node = node.args[0]
+    return None
