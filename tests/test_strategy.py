@@ -145,6 +145,20 @@ def test_step_parts_add_up_and_bubble(gpt_profile) -> None:
         pytest.approx(8 * max(stage_times))
 
 
+def test_runtime_overheads_per_microbatch_and_fsdp_call(gpt_profile) -> None:
+    """Every stage pays microbatch_overhead per microbatch (bubble included); FSDP pays fsdp_overhead per block and call."""
+    import dataclasses
+    slow = dataclasses.replace(FAST, microbatch_overhead=0.01, fsdp_overhead=0.002)
+    plain = estimate(gpt_profile, None, FAST, Layout(1, 2, 4, 8), 32)
+    over = estimate(gpt_profile, None, slow, Layout(1, 2, 4, 8), 32)
+    assert over.time["overhead"] == pytest.approx(8 * 0.01)
+    assert over.step_s - plain.step_s == pytest.approx((8 + 3) * 0.01, rel=1e-6)
+    ddp = estimate(gpt_profile, None, slow, Layout(1, 1, 1, 2), 32)
+    fsdp = estimate(gpt_profile, None, slow, Layout(1, 1, 1, 2, data_parallel="fsdp"), 32)
+    blocks = len(gpt_profile.blocks)
+    assert fsdp.step_s - ddp.step_s == pytest.approx(blocks * (2 * 2 + 1) * 0.002, rel=1e-6)
+
+
 def test_memory_model_parts(gpt_profile) -> None:
     """16 B per parameter, divided by dp under FSDP; recompute, sequence parallelism and microbatches cut activations."""
     tpp = tp_profile(gpt_profile, 2)
@@ -221,9 +235,10 @@ def test_this_machine_reads_the_cache(tmp_path, monkeypatch: pytest.MonkeyPatch)
     """The calibration is read from its cache without measuring; ranks beyond the cores divide the rates."""
     monkeypatch.setenv("TPCOMPILE_CACHE_DIR", str(tmp_path))
     data = {"matmul_flops": 5e10, "memory_bw": 1e10, "op_overhead": 1e-5, "alpha": 2e-5, "bandwidth": 1e9,
-            "nominal_flops": 1e11, "cores": 2}
+            "nominal_flops": 1e11, "cores": 2, "microbatch_overhead": 0.03, "fsdp_overhead": 0.004}
     (tmp_path / "calibration.json").write_text(json.dumps({calibrate._fingerprint(): data}))
     monkeypatch.setattr(calibrate, "measure_compute", lambda: pytest.fail("measured again"))
     two, four = calibrate.this_machine(2), calibrate.this_machine(4)
     assert two.efficiency == pytest.approx(0.5) and two.matmul_rate == pytest.approx(5e10)
     assert four.matmul_rate == pytest.approx(2.5e10) and four.op_overhead == pytest.approx(2e-5)
+    assert two.microbatch_overhead == pytest.approx(0.03) and four.fsdp_overhead == pytest.approx(0.008)
