@@ -12,7 +12,8 @@ import tpcompile
 class RowsOfCache(nn.Module):
     """Attention whose static cache (max batch, kv heads, max length, head dim) is written for the first B rows."""
 
-    def __init__(self, width: int = 32, heads: int = 4, kv_heads: int = 4, max_len: int = 12, max_batch: int = 3) -> None:
+    def __init__(self, width: int = 32, heads: int = 4, kv_heads: int = 4, max_len: int = 12,
+                 max_batch: int = 3) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.hd = heads, kv_heads, width // heads
         self.q, self.o = nn.Linear(width, width), nn.Linear(width, width)
@@ -36,7 +37,8 @@ class RowsOfCache(nn.Module):
 
 
 def test_cache_view_written_per_row_is_split_by_heads_and_decodes_exactly() -> None:
-    """Ranks hold their kv heads of a cache written through cache[:B] (kv heads 2 at 4 ranks: shared pieces); steps equal the original."""
+    """Ranks hold their kv heads of a cache written through cache[:B] (2 kv heads at 4 ranks: shared pieces);
+    a prompt and three decode steps equal the original."""
     for ws, kv_heads, held in ((2, 4, 2), (4, 2, 1)):
         torch.manual_seed(0)
         model, reference = RowsOfCache(kv_heads=kv_heads).eval(), RowsOfCache(kv_heads=kv_heads).eval()

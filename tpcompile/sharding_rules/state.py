@@ -49,7 +49,8 @@ def write_into(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return _fail(node, tensors, f"writes a {target} value into {dst.name} (a view of {root.target}), "
                                     f"which is {pd}")
     # a view whose buffer is not cut yet: this round cuts it, the next reads it cut (the view then matches)
-    params = {root: ParamSlice(target.dim, None, None, target.pieces)} if root is not None and not ctx.demoted(node) else {}
+    cut = root is not None and not ctx.demoted(node)
+    params = {root: ParamSlice(target.dim, None, None, target.pieces)} if cut else {}
     if root is not None and not params:
         return _fail(node, tensors, f"writes into buffer {root.target}, which the plan keeps whole")
     # (a view of a buffer this round has yet to cut is taken as it is: the round is not the last)
@@ -69,9 +70,8 @@ def _buffer_under(dst: Node, split_dim: int, ctx: RuleContext) -> Optional[Node]
             return node if ctx.buffer(node) is not None else None
         if node.op != "call_function" or op_name(node.target) not in _VIEWS or not isinstance(node.args[0], Node):
             return None
-        shape = ctx.shape(node)
-        if op_name(node.target) != "aten.alias.default" and norm_dim(node.args[1] if len(node.args) > 1 else
-                                                                      node.kwargs.get("dim", 0), len(shape)) == split_dim:
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        if op_name(node.target) != "aten.alias.default" and norm_dim(dim, len(ctx.shape(node))) == split_dim:
             return None
         node = node.args[0]
     return None
