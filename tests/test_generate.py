@@ -1,0 +1,163 @@
+"""Generation with a KV cache on sharded ranks: tokens equal to Hugging Face generate, the cache split by heads."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import tpcompile
+from tpcompile.generate import shard_generation
+from tpcompile.ops.collectives import record
+
+NEW = 32
+
+
+def hf_model(arch: str, **kw: Any) -> torch.nn.Module:
+    """A small random Hugging Face causal LM (2 layers, 4 heads, vocab 128) built offline, in eval mode."""
+    import transformers as t
+    t.logging.set_verbosity_error()
+    sizes = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128,
+                 max_position_embeddings=64)
+    build = {
+        "llama": lambda: t.LlamaForCausalLM(t.LlamaConfig(**sizes, intermediate_size=128, num_key_value_heads=2)),
+        # a window shorter than prompt + new tokens, so the sliding mask matters
+        "mistral": lambda: t.MistralForCausalLM(t.MistralConfig(**sizes, intermediate_size=128,
+                                                                num_key_value_heads=2, sliding_window=8)),
+        "qwen2": lambda: t.Qwen2ForCausalLM(t.Qwen2Config(**sizes, intermediate_size=128, num_key_value_heads=2)),
+        "gpt2": lambda: t.GPT2LMHeadModel(t.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128,
+                                                        n_positions=64)),
+        # one sliding and one full layer: two masks per step
+        "gemma3": lambda: t.Gemma3ForCausalLM(t.Gemma3TextConfig(
+            **sizes, intermediate_size=128, num_key_value_heads=2, head_dim=16, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"])),
+        "phi": lambda: t.PhiForCausalLM(t.PhiConfig(**sizes, intermediate_size=128)),
+    }[arch]
+    torch.manual_seed(0)
+    model = build()
+    for k, v in kw.items():
+        setattr(model.generation_config, k, v)
+    return model.eval()
+
+
+def padded_prompts(vocab: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two prompts of 7 and 4 tokens, the shorter one left-padded, and their attention mask."""
+    ids = torch.randint(3, vocab, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    ids[1, :3], mask[1, :3] = 0, 0
+    return ids, mask
+
+
+def run_ranks(gen: Any, **kwargs: Any) -> list[torch.Tensor]:
+    """Every simulated rank's generate(**kwargs)."""
+    return tpcompile.simulate_ranks(gen.world_size, lambda r: gen.rank(r).generate(**kwargs))
+
+
+@pytest.fixture(scope="module")
+def llama() -> tuple[torch.nn.Module, Any]:
+    """Llama (2 kv heads) sharded over 2 ranks with a cache of 2 rows x 48 tokens."""
+    model = hf_model("llama")
+    return model, shard_generation(model, 2, max_seq_len=48, max_batch_size=2)
+
+
+def test_greedy_tokens_equal_hf_generate_for_padded_prompts(llama: tuple) -> None:
+    """32 greedy tokens for 2 prompts of different lengths equal HF generate's on both ranks; each holds half the
+    cache."""
+    model, gen = llama
+    ids, mask = padded_prompts()
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    outs = run_ranks(gen, input_ids=ids, attention_mask=mask, max_new_tokens=NEW)
+    assert want.shape[1] > 7 + 8  # (the model's eos did not end the rows at once)
+    for out in outs:
+        assert torch.equal(out, want)
+    assert gen.cache_bytes(0) == gen.cache_bytes(1) == gen.unsharded_cache_bytes // 2
+    # the cache buffers, (rows, kv heads, max_seq_len, head dim), are held by heads
+    assert gen.sharded.rank(0).kv.k0.shape == (2, 1, 48, 16)
+
+
+def test_eos_ends_rows_as_hf_generate_does(llama: tuple) -> None:
+    """A row that produces eos_token_id is padded afterwards and the call ends when all rows have; tokens equal HF's."""
+    model, gen = llama
+    ids, mask = padded_prompts()
+    free = run_ranks(gen, input_ids=ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=[])[0]
+    eos = int(free[0, 7 + 2])  # row 0's third new token
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=eos)
+    outs = run_ranks(gen, input_ids=ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=eos)
+    assert want.shape[1] < 7 + NEW or (want[:, 7:] == eos).any()
+    for out in outs:
+        assert torch.equal(out, want)
+
+
+def test_sampling_with_a_seed_draws_the_same_tokens_on_every_rank(llama: tuple) -> None:
+    """do_sample with top-k, top-p and temperature: every rank draws the same tokens; the seed decides them."""
+    _, gen = llama
+    ids, mask = padded_prompts()
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=True, temperature=0.9, top_k=40,
+              top_p=0.95, eos_token_id=[])
+    first, again, other = (run_ranks(gen, seed=s, **kw) for s in (7, 7, 8))
+    assert torch.equal(first[0], first[1]) and torch.equal(first[0], again[1])
+    assert not torch.equal(first[0], other[0])
+    unseeded = run_ranks(gen, **kw)  # rank 0 draws a seed and shares it
+    assert torch.equal(unseeded[0], unseeded[1])
+
+
+def test_decode_step_costs_the_same_at_any_length_and_communicates_megatron_style(llama: tuple) -> None:
+    """Each decode step feeds one token, does the same matmul FLOPs at step 2 and step 30, and issues one
+    all-reduce for the embedding, two per block and one gather of the logits."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    _, gen = llama
+    ids, mask = padded_prompts()
+    seen: list[tuple] = []
+    module = gen.sharded.rank(0)
+
+    def rank(r: int) -> list[int]:
+        flops = []
+        for n in (1, 2, 10, 11):
+            with FlopCounterMode(display=False) as counter:
+                gen.rank(r).generate(ids, attention_mask=mask, max_new_tokens=n, eos_token_id=[])
+            flops.append(counter.get_total_flops())
+        return flops
+
+    hook = module.register_forward_pre_hook(lambda m, args: seen.append(tuple(args[0].shape)))
+    try:
+        f1, f2, f10, f11 = tpcompile.simulate_ranks(2, rank)[0]
+        with record() as events:
+            tpcompile.simulate_ranks(2, lambda r: gen.rank(r).generate(ids, attention_mask=mask, max_new_tokens=2,
+                                                                       eos_token_id=[]))
+    finally:
+        hook.remove()
+    assert f2 - f1 == f11 - f10 > 0 and f1 > f2 - f1  # a later step costs what an early one does; prefill more
+    assert seen[-2:] == [(2, 7), (2, 1)]  # the prompt, then one token per step
+    ops = [e.op for e in events if e.rank == 0]
+    per_step = ops[: len(ops) // 2]
+    assert ops[len(ops) // 2:] == per_step  # prefill and decode communicate alike
+    assert per_step.count("all_reduce") == 1 + 2 * 2 and per_step.count("all_gather_replicated") == 1
+    assert len(per_step) == 6
+
+
+def test_past_max_seq_len_is_a_clear_error(llama: tuple) -> None:
+    """A prompt plus new tokens longer than the cache raises TPCompileError naming max_seq_len and the way out."""
+    _, gen = llama
+    ids, mask = padded_prompts()
+    with pytest.raises(tpcompile.TPCompileError, match=r"7 \+ max_new_tokens 42 = 49 tokens exceed .*max_seq_len=48"):
+        gen.rank(0).generate(ids, attention_mask=mask, max_new_tokens=42)
+    with pytest.raises(tpcompile.TPCompileError, match="max_batch_size=2"):
+        gen.rank(0).generate(torch.zeros(3, 4, dtype=torch.long), max_new_tokens=1)
+
+
+def test_bundled_gpt_greedy_equals_recomputing_the_sequence() -> None:
+    """The bundled GPT at 2 ranks: greedy tokens equal the unsharded model's argmax over the whole sequence."""
+    from tpcompile.models import build
+
+    model = build("gpt")
+    gen = shard_generation(model, 2, max_seq_len=40)
+    assert gen.sharded.plan.modules["model.transformer.wpe"] == "replicated"  # positions: no all-reduce per step
+    prompt = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(2))
+    want = prompt
+    with torch.no_grad():
+        for _ in range(NEW):
+            want = torch.cat([want, model(want)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    for out in run_ranks(gen, input_ids=prompt, max_new_tokens=NEW):
+        assert torch.equal(out, want)
+    assert gen.cache_bytes(1) == gen.unsharded_cache_bytes // 2

@@ -1,0 +1,139 @@
+"""Capture of the model with its cache: one graph for prefill (any prompt length) and decode (one token).
+
+The CachedLM is exported with the batch (1..max_batch_size) and the number of new tokens
+(1..max_seq_len) as named dynamic dims, so the same graph takes a whole prompt and then one token
+per step; the masks' last dim is the cache length, fixed. The passes then shard it like any model:
+projections by column and row, the cache buffers by heads (sharding_rules/state.py).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.export import Dim
+
+from tpcompile.api import ShardedModel, shard
+from tpcompile.errors import TPCompileError, TPCompileWarning
+from tpcompile.generate.cache import Adapter, CachedLM
+from tpcompile.generate.masks import step_masks
+
+CACHE_PREFIX = "kv."  # where the cache buffers live in the captured module (model paths gain "model.")
+MIN_SEQ_LEN = 4  # the capture's example prompt (3 tokens) must be shorter than the cache
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """What a rank needs to run the captured graph: sizes, masks, stop tokens, the cache's names."""
+
+    max_seq_len: int
+    max_batch_size: int
+    windows: dict[str, Optional[int]]
+    mask_kind: str
+    dtype: torch.dtype
+    eos: tuple[int, ...]
+    pad: Optional[int]
+    vocab_size: Optional[int]
+    unsharded_cache_bytes: int
+    group: str
+
+
+def adapter_for(model: nn.Module) -> Adapter:
+    """The adapter that runs `model` with a cache; a TPCompileError for a model without one."""
+    from tpcompile.generate.gpt import GPTAdapter, is_bundled_gpt
+    from tpcompile.generate.hf import HFAdapter, is_hf_causal_lm
+    if not isinstance(model, nn.Module):
+        raise TPCompileError(f"shard_generation expects a torch.nn.Module, got {type(model).__name__}")
+    if is_bundled_gpt(model):
+        return GPTAdapter()
+    if is_hf_causal_lm(model):
+        return HFAdapter(model)
+    raise TPCompileError(
+        f"shard_generation does not know how {type(model).__name__} keeps keys and values: it takes Hugging Face "
+        f"*ForCausalLM models (their forward takes a cache) and the bundled GPT; for another model, shard its "
+        f"forward with tpcompile.shard and recompute the sequence each step (examples/generate.py)")
+
+
+def capture_generation(model: nn.Module, world_size: int, *, max_seq_len: int, max_batch_size: int,
+                       plan: Any, group: Any) -> tuple[ShardedModel, GenerationSpec]:
+    """Shard `model` with a static cache for up to max_batch_size rows of max_seq_len tokens."""
+    _check_sizes(max_seq_len, max_batch_size)
+    adapter = adapter_for(model)
+    _check_positions(model, adapter, max_seq_len)
+    shapes = adapter.layers(model)
+    dtype = shapes[0].dtype if shapes else torch.float32
+    wrapper = CachedLM(model, adapter, shapes, max_batch_size, max_seq_len)
+    windows = adapter.windows(model)
+    example, dynamic = _examples(windows, adapter.mask_kind, dtype, max_seq_len, max_batch_size,
+                                 next(model.parameters()).device)
+    with warnings.catch_warnings():  # fixed on purpose: the masks' head dim of 1 and cache length, a batch of 1
+        warnings.filterwarnings("ignore", message=r".*input 'masks.*' dim \d is fixed", category=TPCompileWarning)
+        if max_batch_size == 1:
+            warnings.filterwarnings("ignore", message=r".*input '\w+' dim 0 is fixed at 1", category=TPCompileWarning)
+        sm = shard(wrapper, world_size, example_inputs=example, dynamic_shapes=dynamic,
+                   plan=_prefixed({**_position_tables(model, adapter), **_user_plan(plan)}), group=group)
+    eos, pad = adapter.stop_tokens(model)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    spec = GenerationSpec(max_seq_len, max_batch_size, windows, adapter.mask_kind, dtype, tuple(eos), pad,
+                          vocab, wrapper.kv.nbytes(), sm._ctx.group)
+    return sm, spec
+
+
+def _examples(windows: dict, kind: str, dtype: torch.dtype, max_seq_len: int, max_batch_size: int,
+              device: torch.device) -> tuple[tuple, tuple]:
+    """Example inputs (a 3-token prompt) and their dynamic dims: batch and new tokens vary, down to 1."""
+    batch = min(2, max_batch_size)
+    tokens = 3
+    ids = torch.zeros(batch, tokens, dtype=torch.long, device=device)
+    cache_position = torch.arange(tokens, device=device)
+    keep = torch.ones(batch, max_seq_len, dtype=torch.bool, device=device)
+    masks = step_masks(keep, cache_position, windows, kind, dtype)
+    b = Dim("batch", min=1, max=max_batch_size) if max_batch_size > 1 else None
+    t = Dim("new_tokens", min=1, max=max_seq_len)
+    row = {0: b, 1: t} if b is not None else {1: t}
+    dynamic = (row, dict(row), {0: t}, {name: ({0: b, 2: t} if b is not None else {2: t}) for name in masks})
+    return (ids, cache_position.expand(batch, tokens).clone(), cache_position, masks), dynamic
+
+
+def _position_tables(model: nn.Module, adapter: Adapter) -> dict[str, str]:
+    """Embeddings other than the token embedding, kept whole: they read positions, and a vocabulary split
+    of a position table would cost one all-reduce per step for a table a rank can well hold."""
+    token = adapter.token_embedding(model)
+    return {name: "replicate" for name, mod in model.named_modules()
+            if isinstance(mod, nn.Embedding) and mod is not token and name}
+
+
+def _check_positions(model: nn.Module, adapter: Adapter, max_seq_len: int) -> None:
+    """A learned position table bounds the sequence: say so before anything is captured."""
+    token = adapter.token_embedding(model)
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Embedding) and mod is not token and mod.num_embeddings < max_seq_len:
+            raise TPCompileError(f"max_seq_len={max_seq_len} is longer than {type(model).__name__}'s position table "
+                                 f"{name} ({mod.num_embeddings} positions); pass max_seq_len <= {mod.num_embeddings}")
+
+
+def _user_plan(plan: Any) -> dict:
+    """The user's plan as a dict (a YAML plan file read)."""
+    if plan is None:
+        return {}
+    if isinstance(plan, (str, os.PathLike)):
+        from tpcompile.overrides import load_overrides
+        plan = load_overrides(plan)
+    if not isinstance(plan, dict):
+        raise TPCompileError(f"plan must be a dict of module path -> mode or a YAML file, got {type(plan).__name__}")
+    return dict(plan)
+
+
+def _prefixed(plan: dict) -> Optional[dict]:
+    """The plan's paths (paths in the user's model) as paths in the CachedLM, where the model is `model`."""
+    return {f"model.{k}" if k else "model": v for k, v in plan.items()} or None
+
+
+def _check_sizes(max_seq_len: Any, max_batch_size: Any) -> None:
+    for name, value, least in (("max_seq_len", max_seq_len, MIN_SEQ_LEN), ("max_batch_size", max_batch_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise TPCompileError(f"{name} must be an int >= {least}, got {value!r}; pass the longest prompt plus "
+                                 f"new tokens (max_seq_len) and the most prompts per call (max_batch_size)")
