@@ -161,3 +161,16 @@ def test_bundled_gpt_greedy_equals_recomputing_the_sequence() -> None:
     for out in run_ranks(gen, input_ids=prompt, max_new_tokens=NEW):
         assert torch.equal(out, want)
     assert gen.cache_bytes(1) == gen.unsharded_cache_bytes // 2
+
+
+def test_cli_generate_prints_both_token_lists_and_agrees(capsys: pytest.CaptureFixture) -> None:
+    """`tpcompile generate gpt -w 2 --batch 2` prints the unsharded and rank 0 tokens per prompt, times, OK."""
+    from tpcompile.cli.main import main
+
+    code = main(["generate", "gpt", "-w", "2", "--prompt-len", "5", "--max-new-tokens", "6", "--batch", "2",
+                 "--config", "n_layer=1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.count("  unsharded: [") == 2 and out.count("  rank 0:    [") == 2
+    assert "time to first token" in out and "tokens/s" in out and "cache per rank" in out
+    assert "OK: all 2 ranks generated the unsharded model's tokens" in out

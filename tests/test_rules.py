@@ -92,21 +92,24 @@ def test_fused_gate_up_is_sliced_per_segment() -> None:
 
 
 class NormOverHidden(nn.Module):
-    """A column split followed by a norm over the split dim."""
+    """A column split, a norm over the split dim, and two projections reading the normalised value."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc, self.norm = nn.Linear(16, 32), nn.LayerNorm(32)
+        self.a, self.b = nn.Linear(32, 16), nn.Linear(32, 16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.fc(x))
+        h = self.norm(self.fc(x))
+        return self.a(h) * self.b(h)
 
 
 def test_norm_over_split_dim_replicates_with_a_named_warning() -> None:
-    """A LayerNorm over the column split's output keeps fc whole and says why."""
-    with pytest.warns(tpcompile.TPCompileWarning, match=r"aten.layer_norm.default .* normalises over the sharded dim 1; replicating fc"):
+    """A LayerNorm over the column split's output, read by two projections, keeps fc whole and says why."""
+    with pytest.warns(tpcompile.TPCompileWarning, match=r"aten.layer_norm.default .* over the split dim 1: its result "
+                                                        r"reaches 2 weight ops.*; replicating fc"):
         sm = _check(NormOverHidden(), torch.randn(4, 16))
-    assert sm.plan.modules["fc"] == "replicated" and sm.collectives() == []
+    assert sm.plan.modules["fc"] == "replicated" and "fc" in sm.plan.replicated
 
 
 class UnknownOp(nn.Module):
@@ -129,19 +132,20 @@ def test_op_without_rule_is_replicated_and_named() -> None:
 
 
 class SoftmaxOverHeads(nn.Module):
-    """Softmax over the split features: not allowed, must replicate."""
+    """Softmax over the split features, read by two projections."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.fc, self.out = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.fc, self.out, self.gate = nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(32, 16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.softmax(self.fc(x), dim=-1))
+        p = torch.softmax(self.fc(x), dim=-1)
+        return self.out(p) + self.gate(p)
 
 
 def test_softmax_over_split_dim_replicates() -> None:
-    """Softmax along the split dim needs every feature: the pair stays whole."""
-    with pytest.warns(tpcompile.TPCompileWarning, match="needs the whole of dim 1"):
+    """Softmax along the split dim whose result feeds two row splits: the projection before it stays whole."""
+    with pytest.warns(tpcompile.TPCompileWarning, match="softmax over the split dim 1"):
         sm = _check(SoftmaxOverHeads(), torch.randn(4, 16))
     assert sm.plan.modules["fc"] == "replicated"
 

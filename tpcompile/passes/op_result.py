@@ -119,8 +119,9 @@ def check_wants(res: Result, placement: Any, own: Collection[Node] = ()) -> tupl
             have = REPLICATE
             if have == w.placement:
                 continue
-        if isinstance(have, Replicate) and isinstance(w.placement, Shard) and w.placement.plain:
-            continue  # a local slice, no communication
+        if isinstance(have, Replicate) and isinstance(w.placement, Shard) and w.placement.padded is None \
+                and w.placement.split_next is None and not w.placement.seq:
+            continue  # a local slice, no communication (passes/rewrite_slices.py when not plain)
         if is_seq(have) and isinstance(w.placement, Replicate):
             continue  # an all-gather of the tokens
         return f"input {w.node.name} is {have} but the op needs {w.placement}", [w.node]

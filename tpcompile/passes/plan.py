@@ -11,7 +11,7 @@ from typing import Optional
 from torch import nn
 from torch.fx import GraphModule
 
-from tpcompile.passes.pass_context import PassContext, owner_path
+from tpcompile.passes.pass_context import PassContext, describe, owner_path
 from tpcompile.passes.propagate import SEED_RULES, seed_path
 from tpcompile.placement import ParamSlice, slice_shape
 
@@ -46,6 +46,8 @@ class Plan:
     parameters: dict[str, ParamPlan] = field(default_factory=dict)
     replicated: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    # reductions and norms over a split dim put together from partial statistics: op and place -> how, and why
+    statistics: dict[str, str] = field(default_factory=dict)
 
     def __getitem__(self, module: str) -> str:
         return self.modules[module]
@@ -68,6 +70,8 @@ def build_plan(gm: GraphModule, ctx: PassContext) -> Plan:
     for seed, why in [*ctx.demoted.items(), *ctx.notes.items()]:
         if seed_path(seed) is not None:
             plan.replicated[seed_path(seed)] = why
+        elif seed.meta["tp_layout"].role == "stats":
+            plan.statistics[describe(seed)] = why
     seen: set[int] = set()
     for name, t in ctx.tensors.items():
         if not isinstance(t, nn.Parameter) or id(t) in seen:

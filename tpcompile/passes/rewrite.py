@@ -14,6 +14,8 @@ from tpcompile.ops.guards import check_token_ids
 from tpcompile.passes.pass_context import PassContext, describe, internal_error
 from tpcompile.passes.rank_module import build_rank_module
 from tpcompile.passes.rewrite_dropout import emit_dropout, emit_sdpa_with_dropout, is_live_dropout, sdpa_dropout
+from tpcompile.passes.rewrite_slices import local_slice
+from tpcompile.passes.rewrite_stats import emit_stats, is_stats
 from tpcompile.placement import Replicate, Shard, is_seq, local_shape, shape_key, slice_shape
 from tpcompile.sharding_rules.rule_context import Want, weight_view
 
@@ -63,6 +65,11 @@ class _Emitter:
             # gradient is partial, so it is reduce-scattered back (all_gather's backward)
             op = tp.all_gather.default if w.grad_sync else tp.all_gather_replicated.default
             return self._once((op, w.node), op, src, have.dim, self.ctx.group)
+        if isinstance(have, Replicate) and isinstance(w.placement, Shard) and not w.placement.plain:
+            key = ("slice", w.node, w.placement)  # segments, pieces, batch x heads: this rank's runs, no communication
+            if key not in self.cache:
+                self.cache[key] = local_slice(self, src, w.node, w.placement)
+            return self.cache[key]
         if isinstance(have, Replicate) and isinstance(w.placement, Shard):
             return self._once(("scatter", w.node, w.placement.dim), tp.scatter.default,
                               src, w.placement.dim, self.ctx.group)
@@ -126,6 +133,7 @@ def _emit_copy(em: "_Emitter", node: Node, lookup: Lookup) -> Node:
 REWRITES: list[tuple[Callable[[Node], bool], Emit]] = [
     (_role("row"), lambda em, node, lookup: _emit_row(em, node, lookup)),  # local matmul, all-reduce, bias once
     (_role("vocab"), lambda em, node, lookup: _emit_vocab(em, node, lookup)),  # own rows, zero the rest, all-reduce
+    (is_stats, emit_stats),  # a reduction or norm over the split dim: partial statistics, one small collective
     (lambda node: _stale_metadata_assert(node), _drop),  # asserts a sharded tensor's global size
     (is_live_dropout, emit_dropout),  # mask from the replicated or the rank's stream
     (_is_sdpa_with_dropout, emit_sdpa_with_dropout),  # attention spelled out, mask from a rank stream

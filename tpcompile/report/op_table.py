@@ -18,9 +18,13 @@ def op_table_markdown() -> str:
              "",
              "Propagation (`passes/propagate.py`) runs the op's rule on every node; the rewriter "
              "(`passes/rewrite.py`, table `REWRITES`) then emits the op on each rank's values, except for "
-             "row splits and vocabulary embeddings (partial results and one all-reduce), live dropout "
-             "(masks from tpcompile's random streams) and metadata assertions about a split tensor's "
-             "global size (dropped). An op with no row is replicated, with a warning if a split reaches it.",
+             "row splits and vocabulary embeddings (partial results and one all-reduce), reductions and "
+             "norms over a split dim (partial statistics and one small collective, `passes/rewrite_stats.py`), "
+             "live dropout (masks from tpcompile's random streams) and metadata assertions about a split "
+             "tensor's global size (dropped). An op with no row (or whose rule gives up) is placed by PyTorch "
+             "DTensor's strategy for it when that needs no communication "
+             "(`sharding_rules/dtensor_fallback.py`); otherwise it is replicated, with a warning if a split "
+             "reaches it.",
              "", "| aten op | rule | fields | rule function |", "|---|---|---|---|"]
     for op, spec in sorted(load_table().items(), key=lambda kv: (kv[1].rule, kv[0])):
         fn = RULES[spec.rule].fn

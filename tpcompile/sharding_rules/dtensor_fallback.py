@@ -6,8 +6,10 @@ output placement follows from the inputs' plain Shard/Replicate placements, on a
 DeviceMesh of the world size (no process group). Its answer is used only when it needs no
 communication: every input stays as it is or is a local slice of a replicated value, the
 outputs are Shard or Replicate (no pending sum), and no size argument has to change. Anything
-DTensor cannot say (segments, padded vocabularies, pieces shared by ranks, folded batch x
-heads) stays with tpcompile's own rules; an op it cannot place is replicated as before.
+DTensor cannot say about our own layouts of a split dim (segments, pieces shared by ranks,
+folded batch x heads) is asked as a plain split of that dim and carried over when the op keeps
+that dim's size; zero-padded splits stay with tpcompile's own rules. An op DTensor cannot place
+is replicated as before.
 
 Shapes are the capture's (each symbolic size at its example value); an output split on a dim
 the world size does not divide is refused, since our shards are even; and every answer is run
@@ -17,8 +19,10 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Iterator, Optional
 
+import sympy
 import torch
 from torch.fx import Node
 
@@ -51,6 +55,14 @@ def _hint(s: Any) -> int:
     return int(optimization_hint(s, fallback=8))
 
 
+def example_numel(node: Node) -> int:
+    """The number of elements of a tensor node at the capture's example sizes."""
+    n = 1
+    for s in node.meta["val"].shape:
+        n *= _hint(s)
+    return n
+
+
 @contextmanager
 def _quiet() -> Iterator[None]:
     """Fake-tensor propagation logs every op it cannot run; a refused op is an answer here, not an error."""
@@ -63,22 +75,13 @@ def _quiet() -> Iterator[None]:
         log.setLevel(level)
 
 
-def _dt_placement(p: Placement) -> Any:
-    from torch.distributed.tensor import Replicate as DReplicate, Shard as DShard
-    if isinstance(p, Replicate):
-        return DReplicate()
-    if isinstance(p, Shard) and (p.plain or p.seq) and p.split_next is None:
-        return DShard(p.dim)
-    raise _Unsupported(f"{p} has no DTensor placement")
-
-
-def _ours(dp: Any, seq: bool) -> Optional[Placement]:
-    """Our placement for a DTensor one; None for a pending sum or a strided shard."""
+def _ours(dp: Any, layout: Optional[Shard]) -> Optional[Placement]:
+    """Our placement for a DTensor one, laid out like the inputs' splits; None for a pending sum or a strided shard."""
     from torch.distributed.tensor import Replicate as DReplicate, Shard as DShard
     if type(dp) is DReplicate:
         return REPLICATE
     if type(dp) is DShard:
-        return Shard(dp.dim, seq=seq)
+        return Shard(dp.dim) if layout is None else replace(layout, dim=dp.dim)
     return None
 
 
@@ -90,6 +93,8 @@ class _Schema:
         self.inputs: list[Node] = []  # tensor inputs, in DTensor's leaf order
         self.shapes: list[torch.Size] = []  # their example shapes
         self.sizes: dict[Node, int] = {}  # size arguments (sym_size nodes) at their example values
+        self.layouts: set[Shard] = set()  # how the split inputs are laid out along their split dim (dim 0 here)
+        self.split_sizes: set[int] = set()  # the sizes of their split dims
         self.key: list[Any] = []
 
     def arg(self, a: Any) -> Any:
@@ -117,11 +122,18 @@ class _Schema:
         for s in reversed(shape):  # contiguous strides of the example shape
             stride.insert(0, acc)
             acc *= max(s, 1)
+        from torch.distributed.tensor import Replicate as DReplicate, Shard as DShard
         p = self.ctx.placement(n)
         self.inputs.append(n)
         self.shapes.append(shape)
         self.key.append((tuple(shape), val.dtype, p))
-        return DTensorSpec(self.mesh, (_dt_placement(p),), TensorMeta(shape, tuple(stride), val.dtype))
+        if isinstance(p, Shard):
+            if p.padded is not None or p.split_next is not None:
+                raise _Unsupported(f"{p}: zero padding or a split of the next dim")
+            self.layouts.add(replace(p, dim=0))
+            self.split_sizes.add(shape[p.dim])
+        placed = DShard(p.dim) if isinstance(p, Shard) else DReplicate()
+        return DTensorSpec(self.mesh, (placed,), TensorMeta(shape, tuple(stride), val.dtype))
 
 
 def _leaves(schema: Any) -> list[Any]:
@@ -142,52 +154,66 @@ def _propagate(node: Node, ctx: RuleContext) -> tuple[list[Node], Optional[tuple
     key = (op, ctx.world_size, tuple(b.key), tuple(node.kwargs))
     if key in _CACHE:
         return b.inputs, _CACHE[key]
+    if len(b.layouts) > 1:
+        return b.inputs, None  # splits laid out differently (a token split and a feature split, say)
     prop = DTensor._op_dispatcher.sharding_propagator
     info = prop.op_to_schema_info.get(op) or prop.op_to_schema_info_for_single_dim_strategy.get(op)
     schema = OpSchema(op, args, kwargs, schema_info=info)
     try:
         with _quiet():
             out = prop.propagate_op_sharding_non_cached(schema)
+        answer = _answer(out, schema, b, node, ctx)
     except Exception:  # noqa: BLE001  no strategy, or the op cannot run on these shapes: no answer
-        _CACHE[key] = None
-        return b.inputs, None
+        answer = None
+    if answer is not None and not agrees(node, b.inputs, b.shapes, answer[0], answer[1], b.sizes, ctx.world_size,
+                                         _outer_value(node)):
+        answer = None
     if len(_CACHE) > 4096:
         _CACHE.clear()
-    answer = _answer(out, schema, b.inputs, ctx)
-    if answer is not None and not agrees(node, b.inputs, b.shapes, answer[0], answer[1], b.sizes, ctx.world_size):
-        answer = None
     _CACHE[key] = answer
     return b.inputs, answer
 
 
-def _answer(out: Any, schema: Any, inputs: list[Node], ctx: RuleContext) -> Optional[tuple]:
+def _answer(out: Any, schema: Any, b: _Schema, node: Node, ctx: RuleContext) -> Optional[tuple]:
     """DTensor's answer in our placements, or None when it needs communication or changed arguments."""
-    seqs = {ctx.placement(n).seq for n in inputs if isinstance(ctx.placement(n), Shard)}
-    if len(seqs) > 1:
-        return None  # a token split meeting a feature split: not one mesh dimension
-    seq = seqs.pop() if seqs else False
+    layout = next(iter(b.layouts)) if b.layouts else None
     wanted = _leaves(out.redistribute_schema) if out.redistribute_schema is not None else _leaves(schema)
-    if len(wanted) != len(inputs):
+    if len(wanted) != len(b.inputs):
         return None
     wants = []
-    for n, spec in zip(inputs, wanted):
-        have, want = ctx.placement(n), _ours(spec.placements[0], seq)
+    for n, spec in zip(b.inputs, wanted):
+        have, want = ctx.placement(n), _ours(spec.placements[0], layout)
         if want is None or (have != want and not isinstance(have, Replicate)):
             return None  # a partial input, or a split input moved: communication
-        if isinstance(want, Shard) and not isinstance(have, Shard) and seq:
+        if isinstance(want, Shard) and not isinstance(have, Shard) and want.seq:
             return None  # a local slice of tokens would be a new token split
         wants.append(want)
     specs = out.output_spec
     many = isinstance(specs, (tuple, list))
+    vals = node.meta["val"] if many else [node.meta["val"]]
     outs = []
-    for spec in (specs if many else [specs]):
-        p = REPLICATE if spec is None else _ours(spec.placements[0], seq)
+    for spec, val in zip(specs if many else [specs], vals):
+        p = REPLICATE if spec is None else _ours(spec.placements[0], layout)
         if p is None:
             return None
+        if isinstance(p, Shard) and not layout.plain and {_hint(val.shape[p.dim])} != b.split_sizes:
+            return None  # the op changes the size of a dim laid out in segments or pieces
         outs.append(p)
     if out.use_val_from_redistribute_schema and any(isinstance(p, Shard) for p in outs):
         return None  # DTensor would change a size argument for the local op
     return tuple(wants), (tuple(outs) if many else outs[0])
+
+
+def _outer_value(node: Node) -> Any:
+    """A function giving a size expression's value at the capture's example sizes (a split's `outer`)."""
+    env: dict = {}
+    for n in node.all_input_nodes:
+        val = n.meta.get("val")
+        for s in getattr(val, "shape", ()):
+            if isinstance(s, torch.SymInt):
+                env = s.node.shape_env.var_to_val
+                break
+    return lambda expr: int(expr) if isinstance(expr, int) else int(sympy.sympify(expr).subs(env))
 
 
 def _splits_evenly(node: Node, out: Any, ws: int) -> bool:
@@ -198,6 +224,8 @@ def _splits_evenly(node: Node, out: Any, ws: int) -> bool:
         if isinstance(p, Shard):
             if not isinstance(v, torch.Tensor) or p.dim >= v.dim():
                 return False
+            if not p.plain:
+                continue  # its size is the input's (checked in _answer), which the world size divides
             size = v.shape[p.dim]
             if isinstance(size, int) and size % ws or not isinstance(size, int) and not p.seq:
                 return False

@@ -1,4 +1,4 @@
-"""Rules for elementwise ops, reductions and normalisations."""
+"""Rules for elementwise ops (reductions and normalisations are in reductions.py)."""
 from __future__ import annotations
 
 from typing import Any
@@ -70,41 +70,6 @@ def along_dim(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if dim == p.dim:
         return Result(REPLICATE, [Want(x, REPLICATE)], conflict=f"needs the whole of dim {dim}, which is sharded")
     return Result(p, [Want(x, p)])
-
-
-@rule("reduce", args={"dims_arg": int, "keepdim_arg": int, "keepdim_kwarg": str})
-def reduce(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
-    """mean / sum / amax over dims other than the sharded one."""
-    x = node.args[0]
-    p = ctx.placement(x)
-    if isinstance(p, Replicate):
-        return Result(REPLICATE, [Want(x, REPLICATE)])
-    nd = len(ctx.shape(x))
-    i = spec.get("dims_arg")
-    dims = node.args[i] if i < len(node.args) else node.kwargs.get("dim")
-    dims = list(range(nd)) if dims is None else [dims] if isinstance(dims, int) else list(dims)
-    dims = [norm_dim(d, nd) for d in dims]
-    if p.dim in dims:
-        return Result(REPLICATE, [Want(x, REPLICATE)], conflict=f"reduces over the sharded dim {p.dim}")
-    k = spec.get("keepdim_arg")
-    keep = node.args[k] if k is not None and k < len(node.args) else node.kwargs.get("keepdim", False)
-    shift = 0 if keep else sum(d < p.dim for d in dims)
-    return Result(moved(p, p.dim - shift), [Want(x, p)])
-
-
-@rule("norm", args={"shape_arg": int})
-def norm(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
-    """layer_norm / rms_norm over trailing dims that are not sharded; weights grad-synced."""
-    x = node.args[0]
-    p = ctx.placement(x)
-    extra = [a for a in node.args[2:4] if ctx.is_tensor(a)]
-    if isinstance(p, Replicate):
-        return Result(REPLICATE, [Want(n, REPLICATE) for n in [x] + extra])
-    nd, k = len(ctx.shape(x)), len(node.args[spec.get("shape_arg")])
-    if p.dim >= nd - k:
-        return Result(REPLICATE, [Want(n, REPLICATE) for n in [x] + extra],
-                      conflict=f"normalises over the sharded dim {p.dim}")
-    return Result(p, [Want(x, p)] + [ctx.replicated_want(n, p) for n in extra])
 
 
 @rule("no_output", listed=True)

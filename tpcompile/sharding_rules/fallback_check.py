@@ -1,7 +1,8 @@
 """A placement claimed for an op, checked by running the op: on every rank's local slices of example
 inputs, each rank's output must equal its part of the op's output on the whole inputs.
 
-DTensor's strategies are written per op by hand, and a few read their arguments in ways an
+Splits DTensor cannot express (segments, pieces, batch x heads) are checked with each rank's
+exact part (`positions`). DTensor's strategies are written per op by hand, and a few read their arguments in ways an
 exported graph does not spell them (a positional `keepdim`), so each answer the fallback uses
 is checked here once, on random inputs of the capture's shapes (integer inputs are zeros, valid
 as indices), before it is trusted. Inputs above `_MAX_ELEMENTS` are checked by shape alone, on
@@ -9,12 +10,12 @@ meta tensors.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.fx import Node
 
-from tpcompile.placement import Placement, Shard
+from tpcompile.placement import Placement, Shard, segment_ranges
 
 _MAX_ELEMENTS = 1 << 20
 
@@ -27,12 +28,26 @@ def _example(shape: Sequence[int], dtype: torch.dtype, gen: torch.Generator, dev
     return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
 
 
-def _part(t: Any, p: Placement, rank: int, ws: int) -> Any:
+def positions(p: Shard, size: int, rank: int, ws: int, outer: int = 1) -> list[int]:
+    """The indices along p.dim that `rank` holds of a dim of `size` split as `p` (`outer`: p.outer's value)."""
+    if p.pieces:  # one of `pieces` contiguous pieces, shared by ws // pieces ranks
+        n = size // p.pieces
+        k = rank // (ws // p.pieces)
+        return list(range(k * n, (k + 1) * n))
+    block = size // outer
+    runs = segment_ranges(block, p.segments, rank, ws)
+    return [b * block + i for b in range(outer) for start, stop in runs for i in range(start, stop)]
+
+
+def _part(t: Any, p: Placement, rank: int, ws: int, outer: Callable[[Any], int]) -> Any:
     """Rank `rank`'s part of a whole value placed as `p`."""
     if not isinstance(t, torch.Tensor) or not isinstance(p, Shard):
         return t
-    size = t.shape[p.dim] // ws
-    return t.narrow(p.dim, rank * size, size)
+    if p.plain:
+        size = t.shape[p.dim] // ws
+        return t.narrow(p.dim, rank * size, size)
+    index = torch.tensor(positions(p, t.shape[p.dim], rank, ws, outer(p.outer) if p.outer is not None else 1))
+    return t.index_select(p.dim, index.to(t.device))
 
 
 def _call(node: Node, values: dict[Node, Any], sizes: dict[Node, int]) -> Any:
@@ -58,8 +73,11 @@ def _same(got: Any, want: Any) -> bool:
 
 
 def agrees(node: Node, inputs: Sequence[Node], shapes: Sequence[Sequence[int]], wants: Sequence[Placement],
-           out: Any, sizes: dict[Node, int], world_size: int) -> bool:
-    """True when running the op on each rank's slices (`wants`) gives each rank its part of the output (`out`)."""
+           out: Any, sizes: dict[Node, int], world_size: int, outer: Callable[[Any], int] = int) -> bool:
+    """True when running the op on each rank's slices (`wants`) gives each rank its part of the output (`out`).
+
+    `outer` gives the value of a split's `outer` count (a size expression) at the example sizes.
+    """
     gen = torch.Generator().manual_seed(0)
     big = sum(torch.Size(s).numel() for s in shapes) > _MAX_ELEMENTS
     device = "meta" if big else "cpu"
@@ -73,11 +91,11 @@ def agrees(node: Node, inputs: Sequence[Node], shapes: Sequence[Sequence[int]], 
             if len(refs) != len(outs):
                 return False
             for r in range(world_size):
-                local = {n: _part(t, placed[n], r, world_size) for n, t in whole.items()}
+                local = {n: _part(t, placed[n], r, world_size, outer) for n, t in whole.items()}
                 got = _call(node, local, sizes)
                 gots = got if isinstance(got, (tuple, list)) else (got,)
                 if len(gots) != len(refs) or not all(
-                        _same(g, _part(w, p, r, world_size)) for g, w, p in zip(gots, refs, outs)):
+                        _same(g, _part(w, p, r, world_size, outer)) for g, w, p in zip(gots, refs, outs)):
                     return False
     except Exception:  # noqa: BLE001  the op refuses the example inputs or the local slices: not trusted
         return False

@@ -1,0 +1,182 @@
+"""Rewrites of reductions and normalisations over a split dim (role 'stats'): local partial statistics and one
+small collective, combined exactly on every rank (sharding_rules/reductions.py chooses them).
+
+- sum / mean: the op on the local slice, all-reduced (a mean divided by the world size: equal slices).
+- max / min / log-sum-exp / vector norm: the op on the local slice, every rank's result gathered
+  (`all_gather_replicated`, a new leading dim) and reduced again over the ranks.
+- var / std: each rank's mean and sum of squared deviations, gathered and merged (Chan et al.).
+- LayerNorm, RMSNorm, softmax, log_softmax: two values per row (RMSNorm one) gathered with
+  `all_gather`, whose backward reduce-scatters the partial gradients of the statistics; each rank
+  normalises its own slice. Statistics are computed in float32 (float64 for float64 inputs), as
+  the fused kernels do, and the result is cast to the op's dtype.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.fx import Node
+
+from tpcompile.placement import local_shape, shape_key
+from tpcompile.sharding_rules.reductions import keepdim
+
+aten = torch.ops.aten
+tp = torch.ops.tpcompile
+Lookup = Callable[[Node], Node]
+
+
+def is_stats(node: Node) -> bool:
+    """A node whose rule chose partial statistics."""
+    return node.meta["tp_layout"].role == "stats"
+
+
+class _Ops:
+    """Emits aten calls and collectives into the rank graph being built."""
+
+    def __init__(self, em: Any, node: Node) -> None:
+        self.em, self.node = em, node
+        self.x = node.args[0]
+        self.p = self.x.meta["tp_placement"]
+        val = self.x.meta["val"]
+        self.local = list(local_shape(val.shape, self.p, em.rank, em.ws))
+        self.work = torch.float64 if val.dtype == torch.float64 else torch.float32
+        self.ws, self.group = em.ws, em.ctx.group
+
+    def call(self, op: Any, *args: Any, **kw: Any) -> Node:
+        return self.em.call(op, *args, **kw)
+
+    def up(self, t: Node, dtype: torch.dtype) -> Node:
+        """t in the working precision (it holds dtype now)."""
+        return t if dtype == self.work else self.call(aten._to_copy.default, t, dtype=self.work)
+
+    def cast(self, t: Node) -> Node:
+        """t in the op's own output dtype."""
+        val = self.node.meta["val"]
+        return t if val.dtype == self.work else self.call(aten._to_copy.default, t, dtype=val.dtype)
+
+    def gather(self, op: Any, t: Node, dim: int, shape: list) -> Node:
+        """A collective on t (shape `shape` on this rank), its shape recorded for the schedule check."""
+        out = self.call(op, t, dim, self.group)
+        out.meta["tp_shape"] = shape_key(shape)
+        return out
+
+
+def emit_stats(em: Any, node: Node, lookup: Lookup) -> Node:
+    """The rank-local replacement of a reduction or normalisation over the split dim."""
+    rule = node.meta["tp_rule"].rule
+    return {"reduce": _reduce, "norm": _norm, "softmax": _softmax}[rule](_Ops(em, node), node, lookup)
+
+
+def _reduce(o: _Ops, node: Node, lookup: Lookup) -> Node:
+    spec = node.meta["tp_rule"]
+    combine = spec.get("combine")
+    if combine in ("var", "std"):
+        return _variance(o, node, lookup, combine)
+    local = o.em.graph.node_copy(node, lookup)  # the op itself on this rank's slice
+    local.meta.pop("val", None)
+    if combine in ("sum", "mean"):
+        out = o.call(tp.all_reduce.default, local, o.group)
+        return o.call(aten.div.Scalar, out, o.ws) if combine == "mean" else out
+    shape = [1, *node.meta["val"].shape]
+    ranks = o.gather(tp.all_gather_replicated.default, o.call(aten.unsqueeze.default, local, 0), 0, shape)
+    if combine == "max":
+        return o.call(aten.amax.default, ranks, [0])
+    if combine == "min":
+        return o.call(aten.amin.default, ranks, [0])
+    if combine == "logsumexp":
+        return o.call(aten.logsumexp.default, ranks, [0])
+    order = node.args[1] if len(node.args) > 1 else node.kwargs.get("ord", 2)
+    return o.call(aten.linalg_vector_norm.default, ranks, order, [0])  # the norm of the ranks' norms
+
+
+def _correction(node: Node) -> float:
+    if "correction" in node.kwargs:
+        c = node.kwargs["correction"]
+        return 1.0 if c is None else float(c)
+    if "dim" in str(node.target).rpartition(".")[2]:  # var.dim / std.dim: (x, dim, unbiased, keepdim)
+        return 1.0 if (node.args[2] if len(node.args) > 2 else True) else 0.0
+    return 1.0
+
+
+def _variance(o: _Ops, node: Node, lookup: Lookup, combine: str) -> Node:
+    """Chan et al.'s merge of per-rank (mean, sum of squared deviations) over the split dim."""
+    d, total = o.p.dim, int(o.x.meta["val"].shape[o.p.dim])
+    n = total // o.ws
+    x = o.up(lookup(o.x), o.x.meta["val"].dtype)
+    mean = o.call(aten.mean.dim, x, [d], True)
+    m2 = o.call(aten.sum.dim_IntList, o.call(aten.pow.Tensor_Scalar, o.call(aten.sub.Tensor, x, mean), 2), [d], True)
+    stats = o.call(aten.unsqueeze.default, o.call(aten.stack.default, [mean, m2]), 0)  # (1, 2, ..., 1, ...)
+    shape = [1, 2, *o.local[:d], 1, *o.local[d + 1:]]
+    ranks = o.gather(tp.all_gather_replicated.default, stats, 0, shape)  # (ws, 2, ...)
+    means, m2s = o.call(aten.select.int, ranks, 1, 0), o.call(aten.select.int, ranks, 1, 1)
+    mu = o.call(aten.mean.dim, means, [0])
+    spread = o.call(aten.sum.dim_IntList, o.call(aten.pow.Tensor_Scalar, o.call(aten.sub.Tensor, means, mu), 2), [0])
+    m2 = o.call(aten.add.Tensor, o.call(aten.sum.dim_IntList, m2s, [0]), o.call(aten.mul.Scalar, spread, n))
+    out = o.call(aten.div.Scalar, m2, max(total - _correction(node), 0.0))
+    if combine == "std":
+        out = o.call(aten.sqrt.default, out)
+    if not keepdim(node, node.meta["tp_rule"]):
+        out = o.call(aten.squeeze.dim, out, d)
+    return o.cast(out)
+
+
+def _norm(o: _Ops, node: Node, lookup: Lookup) -> Node:
+    """LayerNorm / RMSNorm over the split last dim: each rank normalises its slice with the gathered statistics."""
+    rms = node.target is aten.rms_norm.default
+    total = int(o.x.meta["val"].shape[-1])
+    x = o.up(lookup(o.x), o.x.meta["val"].dtype)
+    weight = node.args[2] if len(node.args) > 2 else None
+    bias = None if rms or len(node.args) <= 3 else node.args[3]
+    eps = (node.args[3] if len(node.args) > 3 else None) if rms else (node.args[4] if len(node.args) > 4 else 1e-5)
+    if eps is None:
+        eps = torch.finfo(o.work).eps  # rms_norm's default: the epsilon of its working precision
+    if rms:
+        sq = o.call(aten.sum.dim_IntList, o.call(aten.pow.Tensor_Scalar, x, 2), [-1], True)
+        ranks = o.gather(tp.all_gather.default, sq, -1, [*o.local[:-1], 1])  # (..., ws)
+        ms = o.call(aten.div.Scalar, o.call(aten.sum.dim_IntList, ranks, [-1], True), total)
+        y = o.call(aten.mul.Tensor, x, o.call(aten.rsqrt.default, o.call(aten.add.Scalar, ms, eps)))
+    else:
+        mean = o.call(aten.mean.dim, x, [-1], True)
+        m2 = o.call(aten.sum.dim_IntList, o.call(aten.pow.Tensor_Scalar, o.call(aten.sub.Tensor, x, mean), 2),
+                    [-1], True)
+        stats = o.call(aten.cat.default, [mean, m2], -1)  # (..., 2)
+        ranks = o.gather(tp.all_gather.default, stats, -1, [*o.local[:-1], 2])  # (..., 2 * ws)
+        ranks = o.call(aten.unflatten.int, ranks, -1, [o.ws, 2])
+        means, m2s = o.call(aten.select.int, ranks, -1, 0), o.call(aten.select.int, ranks, -1, 1)
+        mu = o.call(aten.mean.dim, means, [-1], True)
+        spread = o.call(aten.sum.dim_IntList,
+                        o.call(aten.pow.Tensor_Scalar, o.call(aten.sub.Tensor, means, mu), 2), [-1], True)
+        var = o.call(aten.add.Tensor, o.call(aten.sum.dim_IntList, m2s, [-1], True),
+                     o.call(aten.mul.Scalar, spread, total // o.ws))
+        var = o.call(aten.div.Scalar, var, total)
+        y = o.call(aten.mul.Tensor, o.call(aten.sub.Tensor, x, mu),
+                   o.call(aten.rsqrt.default, o.call(aten.add.Scalar, var, eps)))
+    if isinstance(weight, Node):
+        y = o.call(aten.mul.Tensor, y, lookup(weight))
+    if isinstance(bias, Node):
+        y = o.call(aten.add.Tensor, y, lookup(bias))
+    return o.cast(y)
+
+
+def _softmax(o: _Ops, node: Node, lookup: Lookup) -> Node:
+    """softmax / log_softmax along the split dim from every rank's (max, sum of exponentials)."""
+    d = o.p.dim
+    x = o.up(lookup(o.x), o.x.meta["val"].dtype)
+    neg_inf = float("-inf")
+    m = o.call(aten.amax.default, x, [d], True)  # -inf where this rank's slice is all masked
+    safe = o.call(aten.masked_fill.Scalar, m, o.call(aten.eq.Scalar, m, neg_inf), 0.0)
+    s = o.call(aten.sum.dim_IntList, o.call(aten.exp.default, o.call(aten.sub.Tensor, x, safe)), [d], True)
+    stats = o.call(aten.cat.default, [m, s], d)
+    ranks = o.gather(tp.all_gather.default, stats, d, [*o.local[:d], 2, *o.local[d + 1:]])
+    ranks = o.call(aten.unflatten.int, ranks, d, [o.ws, 2])
+    ms, ss = o.call(aten.select.int, ranks, d + 1, 0), o.call(aten.select.int, ranks, d + 1, 1)
+    top = o.call(aten.amax.default, ms, [d], True)
+    top = o.call(aten.masked_fill.Scalar, top, o.call(aten.eq.Scalar, top, neg_inf), 0.0)
+    scale = o.call(aten.exp.default, o.call(aten.sub.Tensor, ms, top))
+    total = o.call(aten.sum.dim_IntList, o.call(aten.mul.Tensor, ss, scale), [d], True)
+    shifted = o.call(aten.sub.Tensor, x, top)
+    if "log_softmax" in str(node.target):
+        y = o.call(aten.sub.Tensor, shifted, o.call(aten.log.default, total))
+    else:
+        y = o.call(aten.div.Tensor, o.call(aten.exp.default, shifted), total)
+    return o.cast(y)

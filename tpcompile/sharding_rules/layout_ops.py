@@ -1,0 +1,57 @@
+"""Rules for layout ops whose split needs tpcompile's own placements: heads held in pieces shared by ranks.
+
+Ops DTensor can place (stack, view_as_complex, flip, ...) have no row and go through the
+fallback (dtensor_fallback.py), which also carries segments, pieces and batch x heads layouts
+through ops that keep the split dim's size. What remains is an op that changes the size of a
+dim split in pieces: grouped-query attention's `repeat_interleave` of kv heads, when there are
+fewer kv heads than ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch.fx import Node
+
+from tpcompile.placement import REPLICATE, Replicate, Shard
+from tpcompile.sharding_rules.dtensor_fallback import dtensor_result
+from tpcompile.sharding_rules.registry import rule
+from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim
+from tpcompile.sharding_rules.table import RuleSpec
+
+
+@rule("repeat_interleave", args={"repeats_arg": int, "dim_arg": int})
+def repeat_interleave(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """repeat_interleave(x, r, dim): kv heads repeated for their query heads.
+
+    Along a dim the split does not touch, the split is kept. Along the split dim, each rank's entries
+    repeated are its part of the output. When the dim is split in pieces with one kv head each (fewer kv
+    heads than ranks), the ranks sharing a piece each keep their own query heads: the local repeat count
+    is r / (ranks per piece), and the output is split evenly.
+    """
+    x = node.args[0]
+    p = ctx.placement(x)
+    if isinstance(p, Replicate):
+        return Result(REPLICATE, [Want(x, REPLICATE)])
+    i, j = spec.get("repeats_arg"), spec.get("dim_arg")
+    repeats = node.args[i] if i < len(node.args) else None
+    dim = node.args[j] if j < len(node.args) else node.kwargs.get("dim")
+    if dim is None or not isinstance(repeats, int) or "output_size" in node.kwargs:
+        return dtensor_result(node, ctx) or _fail(x, "repeats the flattened value, or a tensor of repeats")
+    dim = norm_dim(dim, len(ctx.shape(x)))
+    if dim != p.dim:
+        return Result(p, [Want(x, p)])
+    if p.pieces is None:
+        if p.padded is not None or p.outer is not None:
+            return _fail(x, f"repeats along a dim split as {p}")
+        segments = None if p.segments is None else tuple(s * repeats for s in p.segments)
+        return Result(replace(p, segments=segments), [Want(x, p)])
+    share = ctx.world_size // p.pieces  # ranks holding each piece
+    size = ctx.shape(x)[dim]
+    if p.split_next is not None or not isinstance(size, int) or size != p.pieces or repeats % share:
+        return _fail(x, f"{size} entries in {p.pieces} pieces repeated {repeats} times do not give each of the "
+                        f"{share} ranks sharing a piece whole entries of its own")
+    return Result(Shard(dim, seq=p.seq), [Want(x, p)], localize=[("split", i, None, share)])
+
+
+def _fail(x: Node, why: str) -> Result:
+    return Result(REPLICATE, [Want(x, REPLICATE)], conflict=why)
