@@ -10,7 +10,7 @@ from typing import NoReturn
 
 import torch
 
-from tpcompile.cli import demo, diff, dump, plan, strategy, verify
+from tpcompile.cli import demo, diff, dump, generate, plan, strategy, verify
 from tpcompile.cli.common import one_line
 from tpcompile.cli.failures import shadowing_folder, shadowing_message
 from tpcompile.cli.model_spec import ACCEPTED_FORMS
@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_parser(sub, common, name="check", alias_of="verify")
     demo.add_parser(sub, common)
     strategy.add_parser(sub, common)
+    generate.add_parser(sub, common)
     return parser
 
 
