@@ -76,7 +76,7 @@ def profile_of(name: str, tp_max: int = 8) -> tuple[Any, dict, float]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         profile = build_profile(model, example_kwargs=kwargs, seq_len=SEQ)
-        tpps = {t: tp_profile(profile, t) for t in (2, 4, 8) if t <= tp_max}
+        tpps = {t: tp_profile(profile, t) for t in (1, 2, 4, 8) if t <= tp_max}
     return profile, tpps, time.perf_counter() - start
 
 

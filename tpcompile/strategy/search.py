@@ -152,7 +152,7 @@ def _price(profile: ModelProfile, tpp: Optional[TPProfile], cluster: Cluster, la
            training: bool) -> tuple[Estimate, list[Decision]]:
     """The estimate with the cost model's split-or-replicate decisions, or all split when that is better or fits."""
     if tpp is None or lay.tp == 1:
-        return estimate(profile, None, cluster, lay, global_batch, training), []
+        return estimate(profile, tpp, cluster, lay, global_batch, training), []
     b = global_batch // (lay.dp * lay.microbatches)
     why = decide(profile, tpp, cluster, lay, b, training)
     keep = replicated_units(why)
