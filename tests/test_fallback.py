@@ -78,7 +78,6 @@ CASES: list[tuple[str, Op, str]] = [
     ("avg_pool1d", _channels_first(lambda c: F.avg_pool1d(c, 3, 1, 1)), "aten.avg_pool1d.default"),
     ("conv2d", _features_first(lambda c: F.conv2d(c, torch.full((1, 1, 3, 3), 0.1), padding=1)),
      "aten.conv2d.default"),
-    ("group_norm", _features_first(lambda c: F.group_norm(c, 1)), "aten.group_norm.default"),
 ]
 
 

@@ -211,3 +211,32 @@ def test_low_rank_projection_with_a_norm_stays_split(ws: int) -> None:
     with torch.no_grad():
         for out in tpcompile.simulate(sm, x):
             torch.testing.assert_close(out, model(x), atol=2e-5, rtol=1e-5)
+
+
+class HeadGroupNorm(nn.Module):
+    """RWKV / RetNet style: the heads' outputs normalised per head by GroupNorm(heads) over (B*T, heads*dim)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down, self.norm = nn.Linear(16, 32), nn.Linear(32, 16), nn.GroupNorm(4, 32)
+        with torch.no_grad():
+            self.norm.weight.add_(0.1 * torch.randn(32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        return self.down(self.norm(self.up(x).view(B * T, 32)).view(B, T, 32))
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_group_norm_per_head_keeps_whole_groups_per_rank(ws: int) -> None:
+    """GroupNorm with a group per head: each rank normalises its own heads' groups, no collective of its own."""
+    model = HeadGroupNorm().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpcompile.TPCompileWarning)
+        sm = tpcompile.shard(model, ws, example_inputs=(torch.randn(2, 5, 16),))
+    assert sm.plan.modules == {"up": "column", "down": "row"}
+    assert [c for c, _ in sm.collectives()] == ["all_reduce"]
+    x = torch.randn(3, 7, 16)
+    with torch.no_grad():
+        for out in tpcompile.simulate(sm, x):
+            torch.testing.assert_close(out, model(x), atol=2e-5, rtol=1e-5)
