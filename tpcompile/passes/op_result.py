@@ -120,7 +120,7 @@ def check_wants(res: Result, placement: Any, own: Collection[Node] = ()) -> tupl
             if have == w.placement:
                 continue
         if isinstance(have, Replicate) and isinstance(w.placement, Shard) and w.placement.padded is None \
-                and w.placement.split_next is None and not w.placement.seq:
+                and w.placement.split_next is None:
             continue  # a local slice, no communication (passes/rewrite_slices.py when not plain)
         if is_seq(have) and isinstance(w.placement, Replicate):
             continue  # an all-gather of the tokens
