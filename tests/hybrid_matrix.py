@@ -78,7 +78,14 @@ def tables(rows: list[dict]) -> str:
     out = ["| model | (dp, tp, pp) | data parallel | schedule | options | max rel. loss diff | max rel. norm diff "
            "| param bytes / rank (max) | ideal 1/(dp·tp·pp) | peak RSS / rank (max, MiB) | wall s |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in (r for r in rows if r["kind"] == "train"):
+    def order(r: dict) -> tuple:
+        """Plain 1F1B layouts first (by model and LAYOUTS), then 16 processes, schedules, options."""
+        layout = (r["dp"], r["tp"], r["pp"])
+        at = LAYOUTS.index(layout) if layout in LAYOUTS else len(LAYOUTS)
+        fsdp_first = r["data_parallel"] != "fsdp"
+        return (bool(r.get("options")), r["schedule"] != "1F1B", r["world_size"], r["model"], at, fsdp_first)
+
+    for r in sorted((r for r in rows if r["kind"] == "train"), key=order):
         ideal = r["model_param_bytes"] / r["world_size"]
         out.append(f"| {r['model']} | ({r['dp']}, {r['tp']}, {r['pp']}) | {r['data_parallel']} | {r['schedule']} "
                    f"| {r.get('options') or '-'} | {r['loss_diff']:.1e} | {r['norm_diff']:.1e} "
