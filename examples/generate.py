@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import tpcompile
+from tpcompile.cli.common import parse_config
 from tpcompile.cli.model_spec import load_model
 from tpcompile.generate.reference import example_prompts, reference_generate
 from tpcompile.runtime import init_from_env
@@ -31,12 +32,14 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", "--tokens", type=int, default=16, help="tokens to generate")
     parser.add_argument("--prompt-len", type=int, default=8, help="the longest prompt")
     parser.add_argument("--batch", type=int, default=1, help="prompts, each 2 tokens shorter, left-padded")
+    parser.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config value of the model (repeatable), as tpcompile's --config")
     parser.add_argument("--json", action="store_true", help="rank 0 prints one JSON line instead of text")
     opts = parser.parse_args()
     owned = not dist.is_initialized()
     torch.set_num_threads(1)
     rank, world = init_from_env(standalone=True)
-    model, _, _ = load_model(opts.model)
+    model, _, _ = load_model(opts.model, parse_config(opts.config))
     vocab = model.config.vocab_size
     gen = tpcompile.shard_generation(model, world, max_seq_len=opts.prompt_len + opts.max_new_tokens,
                                      max_batch_size=opts.batch)

@@ -1,6 +1,8 @@
 """Generation with a KV cache on sharded ranks: tokens equal to Hugging Face generate, the cache split by heads."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,34 +12,12 @@ import tpcompile
 from tpcompile.generate import shard_generation
 from tpcompile.ops.collectives import record
 
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from bench.generate_matrix import small_model  # noqa: E402  (the architectures of the slow matrix)
+
 NEW = 32
-
-
-def hf_model(arch: str, **kw: Any) -> torch.nn.Module:
-    """A small random Hugging Face causal LM (2 layers, 4 heads, vocab 128) built offline, in eval mode."""
-    import transformers as t
-    t.logging.set_verbosity_error()
-    sizes = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128,
-                 max_position_embeddings=64)
-    build = {
-        "llama": lambda: t.LlamaForCausalLM(t.LlamaConfig(**sizes, intermediate_size=128, num_key_value_heads=2)),
-        # a window shorter than prompt + new tokens, so the sliding mask matters
-        "mistral": lambda: t.MistralForCausalLM(t.MistralConfig(**sizes, intermediate_size=128,
-                                                                num_key_value_heads=2, sliding_window=8)),
-        "qwen2": lambda: t.Qwen2ForCausalLM(t.Qwen2Config(**sizes, intermediate_size=128, num_key_value_heads=2)),
-        "gpt2": lambda: t.GPT2LMHeadModel(t.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128,
-                                                        n_positions=64)),
-        # one sliding and one full layer: two masks per step
-        "gemma3": lambda: t.Gemma3ForCausalLM(t.Gemma3TextConfig(
-            **sizes, intermediate_size=128, num_key_value_heads=2, head_dim=16, sliding_window=8,
-            layer_types=["sliding_attention", "full_attention"])),
-        "phi": lambda: t.PhiForCausalLM(t.PhiConfig(**sizes, intermediate_size=128)),
-    }[arch]
-    torch.manual_seed(0)
-    model = build()
-    for k, v in kw.items():
-        setattr(model.generation_config, k, v)
-    return model.eval()
 
 
 def padded_prompts(vocab: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +36,7 @@ def run_ranks(gen: Any, **kwargs: Any) -> list[torch.Tensor]:
 @pytest.fixture(scope="module")
 def llama() -> tuple[torch.nn.Module, Any]:
     """Llama (2 kv heads) sharded over 2 ranks with a cache of 2 rows x 48 tokens."""
-    model = hf_model("llama")
+    model = small_model("llama")
     return model, shard_generation(model, 2, max_seq_len=48, max_batch_size=2)
 
 
