@@ -160,6 +160,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run everything, write the four outputs, print the tables."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["generate"]:  # the generation section: python -m bench generate (bench/generate.py)
+        from bench.generate import main as generate_main
+        return generate_main(argv[1:])
     ap = parser()
     args = ap.parse_args(argv)
     saved = json.loads(args.from_json.read_text()) if args.from_json is not None else None
