@@ -1,12 +1,20 @@
 """tpcompile: automatic tensor parallelism for PyTorch models, one sharded fx graph per rank."""
 from tpcompile.api import ShardedModel, shard
 from tpcompile.errors import TPCompileError, TPCompileWarning
-from tpcompile.generate import shard_generation  # noqa: F401  (docs/generate.md)
-from tpcompile.hybrid import init_mesh, parallelize_train  # noqa: F401  (docs/hybrid.md)
+from tpcompile.generate import shard_generation
+from tpcompile.hybrid import init_mesh, parallelize_train
 from tpcompile.runtime.parallelize import parallelize
 from tpcompile.runtime.simulator import simulate, simulate_ranks
-from tpcompile.strategy import plan_parallel  # noqa: F401  (docs/strategy.md)
+from tpcompile.strategy import plan_parallel
 
 __all__ = ["shard", "parallelize", "ShardedModel", "simulate", "simulate_ranks", "TPCompileError",
-           "TPCompileWarning"]
+           "TPCompileWarning", "shard_generation", "init_mesh", "parallelize_train", "plan_parallel", "dcp"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """`tpcompile.dcp` without importing it first (it loads torch.distributed.checkpoint)."""
+    if name == "dcp":
+        import importlib
+        return importlib.import_module("tpcompile.dcp")
+    raise AttributeError(f"module 'tpcompile' has no attribute {name!r}")
