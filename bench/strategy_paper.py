@@ -31,7 +31,7 @@ from tpcompile.errors import TPCompileError  # noqa: E402
 from tpcompile.strategy.cluster import DEFAULT_EFFICIENCY, Cluster  # noqa: E402
 from tpcompile.strategy.cost import Layout, estimate  # noqa: E402
 from tpcompile.strategy.profile import build_profile  # noqa: E402
-from tpcompile.strategy.search import search, tp_degrees  # noqa: E402
+from tpcompile.strategy.search import search  # noqa: E402
 from tpcompile.strategy.tp_profile import tp_profile  # noqa: E402
 
 SEQ = 8192

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import tpcompile
 from tpcompile.cli.common import parse_config
-from tpcompile.cli.model_spec import load_model
+from tpcompile.models.spec import load_model
 from tpcompile.generate.reference import example_prompts, reference_generate
 from tpcompile.runtime import init_from_env
 

@@ -28,7 +28,7 @@ import tpcompile
 import tpcompile.dcp
 from tpcompile.cli.common import parse_config
 from tpcompile.cli.inputs import parse_input_spec
-from tpcompile.cli.model_spec import load_model
+from tpcompile.models.spec import load_model
 
 LAYER_KEYS = ("n_layer", "num_hidden_layers")  # the bundled GPT's and Hugging Face's name for the depth
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tpcompile
-from tpcompile.cli.model_spec import load_model
+from tpcompile.models.spec import load_model
 
 # A vocabulary embedding, an FFN with a residual and a head: vocab, column and row splits and a gather.
 TINY = '''

@@ -11,7 +11,7 @@ import tpcompile
 from tpcompile.cli import main
 from tpcompile.cli.compare import check_outputs
 from tpcompile.cli.failures import command_line_hint, concrete_sizes
-from tpcompile.cli.model_spec import load_model
+from tpcompile.models.spec import load_model
 from tpcompile.models import build
 from tpcompile.report.plan_table import plan_report
 from tpcompile.report.trace import trace

@@ -77,7 +77,7 @@ def test_sixteen_processes() -> None:
 def _plain_state(path: Path) -> dict[str, torch.Tensor]:
     """A checkpoint read into the plain example model with stock torch.distributed.checkpoint."""
     import torch.distributed.checkpoint as dcp
-    from tpcompile.cli.model_spec import load_model
+    from tpcompile.models.spec import load_model
     model = load_model("gpt", {"n_layer": 4})[0]
     state = model.state_dict()
     dcp.load(state, checkpoint_id=str(path), no_dist=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tpcompile.cli.model_spec import example_inputs_of, load_model
+from tpcompile.models.spec import example_inputs_of, load_model
 from tpcompile.errors import TPCompileError
 from tpcompile.models import GPT, MLPStack
 

@@ -18,7 +18,7 @@ from torch import nn
 from tpcompile.cli.failures import explain_capture_failure
 from tpcompile.cli.inputs import (SPEC_HELP, check_specs, describe_inputs, inputs_from_specs, parse_input_spec,
                                   suggest_inputs)
-from tpcompile.cli.model_spec import ACCEPTED_FORMS, load_model
+from tpcompile.models.spec import ACCEPTED_FORMS, load_model
 from tpcompile.cli.progress import note, step
 from tpcompile.errors import TPCompileError
 from tpcompile.report.wording import short_warning

@@ -14,7 +14,7 @@ import torch
 import tpcompile
 from tpcompile.cli.common import add_model_args, load, load_plan, parse_config, shard, world_size
 from tpcompile.cli.compare import check_outputs
-from tpcompile.cli.model_spec import load_model
+from tpcompile.models.spec import load_model
 from tpcompile.cli.verify import verdict
 from tpcompile.report.units import format_bytes
 

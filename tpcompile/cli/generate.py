@@ -9,7 +9,7 @@ import torch
 
 import tpcompile
 from tpcompile.cli.common import parse_config, world_size
-from tpcompile.cli.model_spec import ACCEPTED_FORMS, load_model
+from tpcompile.models.spec import ACCEPTED_FORMS, load_model
 from tpcompile.errors import TPCompileError
 from tpcompile.report.units import format_bytes
 

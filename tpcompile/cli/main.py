@@ -13,7 +13,7 @@ import torch
 from tpcompile.cli import demo, diff, dump, generate, plan, strategy, verify
 from tpcompile.cli.common import one_line
 from tpcompile.cli.failures import shadowing_folder, shadowing_message
-from tpcompile.cli.model_spec import ACCEPTED_FORMS
+from tpcompile.models.spec import ACCEPTED_FORMS
 from tpcompile.errors import TPCompileError
 
 EXIT_ERROR = 2  # usage and user errors; 1 is a verification mismatch

@@ -6,7 +6,7 @@ import json
 import warnings
 
 from tpcompile.cli.common import one_line, parse_config
-from tpcompile.cli.model_spec import ACCEPTED_FORMS
+from tpcompile.models.spec import ACCEPTED_FORMS
 from tpcompile.cli.progress import note, step
 from tpcompile.errors import TPCompileError
 

@@ -28,7 +28,7 @@ def meta_model(model: ModelLike, config: Optional[dict] = None) -> tuple[nn.Modu
     if isinstance(model, nn.Module):
         return model, (), {}
     if isinstance(model, str):
-        from tpcompile.cli.model_spec import load_model
+        from tpcompile.models.spec import load_model
         with torch.device("meta"):
             return load_model(model, config)
     if callable(model):

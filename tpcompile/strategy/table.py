@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import io
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import Any
 
 from rich import box
 from rich.console import Console
@@ -11,9 +11,6 @@ from rich.table import Table
 
 from tpcompile.report.units import format_bytes
 from tpcompile.strategy.quantities import format_seconds
-
-if TYPE_CHECKING:
-    from tpcompile.strategy.record import Strategy
 
 WIDTH = 150
 
@@ -31,8 +28,8 @@ def _options(recompute: bool, sp: bool, kind: str, dp: int) -> str:
     return ", ".join(words)
 
 
-def render(s: "Strategy", top: int) -> str:
-    """The whole report as text."""
+def render(s: Any, top: int) -> str:
+    """The whole report of `s`, a strategy.record.Strategy (the record imports this module), as text."""
     out = io.StringIO()
     console = Console(file=out, width=WIDTH, color_system=None, force_terminal=False, highlight=False)
     c = s.cluster
@@ -75,7 +72,7 @@ def render(s: "Strategy", top: int) -> str:
     return "\n".join(line.rstrip() for line in out.getvalue().splitlines()) + "\n"
 
 
-def _decisions(console: Console, s: "Strategy") -> None:
+def _decisions(console: Console, s: Any) -> None:
     """Per-unit split or replicate, identical units of repeated layers counted once."""
     console.print(f"per-unit decisions at tp {s.tp} ({sum(d.split for d in s.decisions)} split, "
                   f"{sum(not d.split for d in s.decisions)} whole):")
