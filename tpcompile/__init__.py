@@ -1,5 +1,6 @@
 """tpcompile: automatic tensor parallelism for PyTorch models, one sharded fx graph per rank."""
 from tpcompile.api import ShardedModel, shard
+from tpcompile.passes.comm_options import CommOptions
 from tpcompile.errors import TPCompileError, TPCompileWarning
 from tpcompile.generate import shard_generation
 from tpcompile.hybrid import init_mesh, parallelize_train
@@ -8,7 +9,8 @@ from tpcompile.runtime.simulator import simulate, simulate_ranks
 from tpcompile.strategy import plan_parallel
 
 __all__ = ["shard", "parallelize", "ShardedModel", "simulate", "simulate_ranks", "TPCompileError",
-           "TPCompileWarning", "shard_generation", "init_mesh", "parallelize_train", "plan_parallel", "dcp"]
+           "TPCompileWarning", "shard_generation", "init_mesh", "parallelize_train", "plan_parallel", "dcp",
+           "CommOptions"]
 __version__ = "0.1.0"
 
 

@@ -6,6 +6,7 @@
     verify       passes/verify_plan.verify_pass       the slices tile every split parameter
     plan         passes/plan.build_plan               ShardedModel.plan
     rewrite(r)   passes/rewrite.rewrite_pass          rank r's GraphModule (on first use)
+    comm(r)      passes/comm_*.py                     with comm=: in-place all-reduces, gradient buckets
     verify(r)    passes/verify_ranks.verify_rank      lint, planned shapes, rank 0's collectives
 
 `shard()` is capture then `shard_captured()`; `ShardedModel.rank(r)` runs the last two.
@@ -25,6 +26,8 @@ from tpcompile.errors import TPCompileError
 from tpcompile.ops.schedule import FORWARD_COLLECTIVES, collective_op, graph_schedule
 from tpcompile.overrides import check_overrides
 from tpcompile.passes.annotate import annotate_pass
+from tpcompile.passes.comm_inplace import inplace_pass
+from tpcompile.passes.comm_options import CommOptions, comm_options
 from tpcompile.passes.pass_context import PassContext, module_path
 from tpcompile.passes.plan import Plan, build_plan
 from tpcompile.passes.propagate import propagate_pass
@@ -38,7 +41,7 @@ log = logging.getLogger("tpcompile")
 
 def shard(model: nn.Module, world_size: int, *, example_inputs: Any = (), example_kwargs: Optional[dict] = None,
           dynamic_shapes: Any = None, plan: Any = None, group: Any = "default",
-          sequence_parallel: bool = False) -> ShardedModel:
+          sequence_parallel: bool = False, comm: Any = None) -> ShardedModel:
     """Split `model` over `world_size` ranks; returns one GraphModule per rank and the plan.
 
     `plan` is a dict of module path -> 'replicate' | 'sharded_output' | 'auto', or the path of a
@@ -46,18 +49,21 @@ def shard(model: nn.Module, world_size: int, *, example_inputs: Any = (), exampl
 
     `group` is the torch.distributed ProcessGroup the ranks' collectives use (default: the
     default group), or the key of one given to `tpcompile.ops.collectives.register_group`.
+
+    `comm` (True or a `CommOptions`) runs the communication passes on every rank graph
+    (docs/communication.md); the default None leaves the collectives as rewrite emits them.
     """
     _check_world_size(world_size)
     start = time.perf_counter()
     cap = capture(model, example_inputs, example_kwargs, dynamic_shapes)  # capture: torch.export
     captured = time.perf_counter()
-    sm = shard_captured(cap, world_size, plan=plan, group=group, sequence_parallel=sequence_parallel)
+    sm = shard_captured(cap, world_size, plan=plan, group=group, sequence_parallel=sequence_parallel, comm=comm)
     sm.timings.update(capture_s=captured - start, passes_s=time.perf_counter() - captured)
     return sm
 
 
 def shard_captured(cap: Captured, world_size: int, *, plan: Any = None, group: Any = "default",
-                   sequence_parallel: bool = False) -> ShardedModel:
+                   sequence_parallel: bool = False, comm: Any = None) -> ShardedModel:
     """The passes after capture, on a captured graph that no other ShardedModel uses."""
     _check_world_size(world_size)
     ctx = PassContext(world_size, group=_group_key(group, world_size),
@@ -65,7 +71,9 @@ def shard_captured(cap: Captured, world_size: int, *, plan: Any = None, group: A
     gm = annotate_pass(cap.gm, ctx)  # annotate: rule per op, fused-projection segments
     gm = propagate_pass(gm, ctx)  # propagate: placements, column/row/vocab roles
     gm = verify_pass(gm, ctx)  # verify: parameter slices tile each parameter
-    return ShardedModel(gm, ctx, cap.model_name, build_plan(gm, ctx))  # plan: what was decided
+    sm = ShardedModel(gm, ctx, cap.model_name, build_plan(gm, ctx))  # plan: what was decided
+    sm.comm = comm_options(comm)
+    return sm
 
 
 class ShardedModel:
@@ -81,6 +89,7 @@ class ShardedModel:
         self._ranks: dict[int, GraphModule] = {}
         self._reference: Optional[list] = None
         self._lock = threading.Lock()
+        self.comm: Optional[CommOptions] = None  # the communication passes run on each rank graph
 
     def rank(self, r: int) -> GraphModule:
         """Rank r's GraphModule: the model's arguments in, the model's output structure out."""
@@ -91,13 +100,22 @@ class ShardedModel:
         with self._lock:  # ranks may be asked for from several threads at once
             if r not in self._ranks:
                 log.info("building rank %d of %d", r, self.world_size)
-                gm = rewrite_pass(self.captured, self._ctx, r)  # rewrite(r): this rank's graph
+                gm = self._comm(rewrite_pass(self.captured, self._ctx, r))  # rewrite(r), comm(r)
                 if self._reference is None:  # rank 0's schedule, even in a process that builds only rank r
-                    self._reference = graph_schedule(gm if r == 0 else rewrite_graph(self.captured, self._ctx, 0))
+                    ref = gm if r == 0 else self._comm(rewrite_graph(self.captured, self._ctx, 0))
+                    self._reference = graph_schedule(ref)
                 shapes = {name: pp.local_shape for name, pp in self.plan.parameters.items()}
                 verify_rank(gm, self._reference, r, shapes)  # verify(r): lint, planned slices, rank 0's collectives
                 self._ranks[r] = gm
             return self._ranks[r]
+
+    def _comm(self, g: Any) -> Any:
+        """The communication passes on a rank graph (or GraphModule), in order, when comm= asked for them."""
+        if self.comm is None:
+            return g
+        if self.comm.inplace:
+            g = inplace_pass(g)  # in-place: an all-reduce of a dead temporary sums into it
+        return g
 
     def __getitem__(self, r: int) -> GraphModule:
         return self.rank(r)

@@ -1,0 +1,39 @@
+"""CommOptions: which communication passes run on each rank graph (`shard(..., comm=...)`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from tpcompile.errors import TPCompileError
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # as DistributedDataParallel's bucket_cap_mb=25
+
+
+@dataclass(frozen=True)
+class CommOptions:
+    """The communication passes after rewrite(r); `shard(..., comm=True)` means these defaults.
+
+    inplace: an all-reduce whose input is a dead temporary sums into it (passes/comm_inplace.py).
+    bucket_bytes: per-parameter gradient syncs are flattened into buckets of at most this many
+    bytes and reduced once per bucket in backward (passes/comm_bucket.py); 0 turns it off.
+    """
+
+    inplace: bool = True
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 0:
+            raise TPCompileError(f"CommOptions.bucket_bytes must be an int >= 0 (0 turns bucketing off), "
+                                 f"got {self.bucket_bytes!r}")
+
+
+def comm_options(value: Any) -> Optional[CommOptions]:
+    """`shard`'s comm= argument as CommOptions: None/False -> None (no pass), True -> the defaults."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return CommOptions()
+    if isinstance(value, CommOptions):
+        return value
+    raise TPCompileError(f"comm={value!r} ({type(value).__name__}): pass True, False, None or "
+                         f"tpcompile.CommOptions(inplace=..., bucket_bytes=...)")
