@@ -1,0 +1,72 @@
+"""The in-place overload of the all-reduce: ``torch.ops.tpcompile.all_reduce.inplace``.
+
+Same op name and group argument as ``all_reduce`` (a second overload of it), so schedules,
+counts and the verifier read it as an all-reduce. It sums x over the ranks into x's own
+storage and returns x: no output buffer and no copy. Only passes/comm_inplace.py emits it,
+for an input it has proven to be a dead temporary (no other reader, not a graph input or
+parameter, not a view, not saved by its producer for backward).
+
+Autograd: as all_reduce, the gradient passes through unchanged; the op marks x dirty, so
+autograd moves x's history onto it (and raises, as for any in-place op, if x were saved).
+Under torch.distributed the sum runs in x itself (``dist.all_reduce`` on a contiguous x);
+on a simulated rank x is deposited as a copy, so no rank overwrites what another still reads.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.library import Library
+
+from tpcompile.ops.collectives import _run
+from tpcompile.runtime.backends import Backend, DistBackend
+
+__all__ = ["all_reduce_inplace"]
+
+_lib = Library("tpcompile", "FRAGMENT")
+_lib.define("all_reduce.inplace(Tensor(a!) x, str group) -> Tensor(a!)")
+
+
+def _sum_into(backend: Backend, x: torch.Tensor) -> torch.Tensor:
+    """x summed over the backend's ranks, written into x."""
+    if isinstance(backend, DistBackend) and x.is_contiguous():
+        dist.all_reduce(x, group=backend.pg)
+        return x
+    return x.copy_(backend.all_reduce(x.clone()))
+
+
+def _kernel(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Sum x over every rank of group, in place."""
+    return _run("all_reduce", x, group, lambda b: _sum_into(b, x))
+
+
+def _fake(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Shapes only: the result is x itself."""
+    return x
+
+
+class _AllReduceInplace(torch.autograd.Function):
+    """The autograd rule: x's history continues through the sum; the gradient passes unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: str) -> torch.Tensor:
+        with torch._C._AutoDispatchBelowAutograd():
+            torch.ops.tpcompile.all_reduce.inplace(x, group)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return grad, None
+
+
+def _autograd(x: torch.Tensor, group: str) -> torch.Tensor:
+    return _AllReduceInplace.apply(x, group)
+
+
+_lib.impl("all_reduce.inplace", _kernel, "CompositeExplicitAutograd")
+_lib.impl("all_reduce.inplace", _autograd, "Autograd")
+torch.library.register_fake("tpcompile::all_reduce.inplace", _fake, lib=_lib)
+
+all_reduce_inplace = torch.ops.tpcompile.all_reduce.inplace
