@@ -31,6 +31,7 @@ class ParamSlice:
     segments: Optional[tuple[int, ...]] = None
     padded: Optional[int] = None  # cut as if zero-padded to this size
     pieces: Optional[int] = None  # cut into this many pieces, each held by world_size/pieces ranks
+    seg_pieces: Optional[tuple[int, ...]] = None  # per segment, its number of pieces (world size: split evenly)
 
 
 @dataclass(frozen=True)
@@ -44,9 +45,13 @@ class Shard:
     outer: Optional[object] = None  # the dim is `outer` repetitions of the split blocks (batch x heads)
     pieces: Optional[int] = None  # only this many distinct pieces; ranks r*pieces//ws share a piece
     split_next: Optional[int] = None  # with pieces: dim+1 is split this many ways within a piece
+    # per segment, how many distinct pieces it has (fused q|k|v with fewer kv heads than ranks); None: all even
+    seg_pieces: Optional[tuple[int, ...]] = None
 
     def __str__(self) -> str:
         seg = "" if self.segments is None else f"|{'+'.join(map(str, self.segments))}"
+        if self.seg_pieces is not None:
+            seg = "|" + "+".join(f"{s}/{g}" for s, g in zip(self.segments, self.seg_pieces))
         pad = "" if self.padded is None else f"~{self.padded}"
         out = "" if self.outer is None else f"x{self.outer}"
         grp = "" if self.pieces is None else f"/{self.pieces}" + ("" if self.split_next is None else f"+{self.split_next}")
@@ -56,7 +61,7 @@ class Shard:
     def plain(self) -> bool:
         """True when the dimension is one segment split evenly, without padding."""
         return ((self.segments is None or len(self.segments) == 1) and self.padded is None
-                and self.outer is None and self.pieces is None)
+                and self.outer is None and self.pieces is None and self.seg_pieces is None)
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,22 @@ def shard(dim: int, segments: Optional[Sequence[int]] = None) -> Shard:
     """A Shard with a one-segment list normalised to a plain shard."""
     segs = None if segments is None or len(segments) <= 1 else tuple(int(s) for s in segments)
     return Shard(dim, segs)
+
+
+def shard_of(dim: int, segments: Sequence[int], seg_pieces: Optional[Sequence[int]], world_size: int) -> Shard:
+    """A Shard of `segments` with per-segment piece counts, normalised: one segment of g < world_size pieces is
+    a `pieces` shard; segments all split evenly are plain segments."""
+    gs = list(seg_pieces or [world_size] * len(segments))
+    if all(g == world_size for g in gs):
+        return shard(dim, segments)
+    if len(segments) == 1:
+        return Shard(dim, pieces=gs[0])
+    return Shard(dim, tuple(int(s) for s in segments), seg_pieces=tuple(gs))
+
+
+def local_sizes(segments: Sequence[int], seg_pieces: Optional[Sequence[int]], world_size: int) -> list[int]:
+    """Each segment's size on one rank."""
+    return [s // g for s, g in zip(segments, seg_pieces or [world_size] * len(segments))]
 
 
 def is_seq(p: object) -> bool:
@@ -108,7 +129,7 @@ def rank_pieces(sl: Any, full: int, rank: int, world_size: int) -> list[tuple[in
         size = full // sl.pieces
         return [(rank // (world_size // sl.pieces) * size, 0, size)]
     out, local = [], 0
-    for a, b in segment_ranges(sl.padded or full, sl.segments, rank, world_size):
+    for a, b in segment_ranges(sl.padded or full, sl.segments, rank, world_size, sl.seg_pieces):
         n = min(b, full) - a
         if n > 0:
             out.append((a, local, n))
@@ -121,19 +142,24 @@ def slice_shape(shape: Sequence[int], sl: Any, world_size: int) -> tuple[int, ..
     if sl is None:
         return tuple(shape)
     out = list(shape)
-    out[sl.dim] = shape[sl.dim] // sl.pieces if sl.pieces else (sl.padded or shape[sl.dim]) // world_size
+    if sl.seg_pieces:
+        out[sl.dim] = sum(s // g for s, g in zip(sl.segments, sl.seg_pieces))
+    else:
+        out[sl.dim] = shape[sl.dim] // sl.pieces if sl.pieces else (sl.padded or shape[sl.dim]) // world_size
     return tuple(out)
 
 
-def segment_ranges(size: int, segments: Optional[Sequence[int]], rank: int, world_size: int) -> list[tuple[int, int]]:
-    """The [start, stop) index ranges along a sharded dim that `rank` holds."""
+def segment_ranges(size: int, segments: Optional[Sequence[int]], rank: int, world_size: int,
+                   seg_pieces: Optional[Sequence[int]] = None) -> list[tuple[int, int]]:
+    """The [start, stop) index ranges along a sharded dim that `rank` holds (a segment of g < world_size
+    pieces: piece rank // (world_size / g) of it, shared with the other ranks of that group)."""
     segs = list(segments) if segments else [size]
     assert sum(segs) == size, f"segments {segs} do not add up to {size}"
     ranges, offset = [], 0
-    for s in segs:
-        assert s % world_size == 0, f"segment {s} not divisible by {world_size}"
-        piece = s // world_size
-        ranges.append((offset + rank * piece, offset + (rank + 1) * piece))
+    for s, g in zip(segs, seg_pieces or [world_size] * len(segs)):
+        assert s % g == 0 and world_size % g == 0, f"segment {s} not divisible into {g} pieces"
+        piece, k = s // g, rank // (world_size // g)
+        ranges.append((offset + k * piece, offset + (k + 1) * piece))
         offset += s
     return ranges
 
@@ -141,7 +167,7 @@ def segment_ranges(size: int, segments: Optional[Sequence[int]], rank: int, worl
 def slice_placement(sl: ParamSlice) -> Shard:
     """The placement of a parameter cut by `sl`, as its readers see it."""
     return Shard(sl.dim, sl.segments if sl.segments and len(sl.segments) > 1 else None, padded=sl.padded,
-                 pieces=sl.pieces)
+                 pieces=sl.pieces, seg_pieces=sl.seg_pieces)
 
 
 def local_shape(shape: Sequence[Any], p: Any, rank: int, world_size: int) -> tuple:
@@ -157,7 +183,7 @@ def local_shape(shape: Sequence[Any], p: Any, rank: int, world_size: int) -> tup
     elif p.padded:
         out[p.dim] = p.padded // world_size
     elif p.segments and isinstance(size, int):
-        out[p.dim] = sum(b - a for a, b in segment_ranges(size, p.segments, rank, world_size))
+        out[p.dim] = sum(b - a for a, b in segment_ranges(size, p.segments, rank, world_size, p.seg_pieces))
     else:
         out[p.dim] = size // world_size
     return tuple(out)

@@ -1,18 +1,20 @@
 """Annotate pass: look up each op's sharding rule and find fused projections' segments."""
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
 from torch.fx import GraphModule, Node
 
 from tpcompile.passes.pass_context import PassContext, module_path, owner_path
+from tpcompile.passes.weight_roles import mark_kept_whole
 from tpcompile.sharding_rules import RuleSpec, lookup
+from tpcompile.sharding_rules.experts import contraction
 from tpcompile.sharding_rules.rule_context import weight_view
 
 _SPLITS = {"split", "unbind"}
 _FOLLOW = {"pointwise", "reshape"}
-_THROUGH = {"pointwise", "reshape", "norm"}  # what lies between a low-rank pair's two projections
 
 
 def annotate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
@@ -24,63 +26,28 @@ def annotate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
             continue
         spec = lookup(node.target)
         if spec is not None and spec.rule == "weight_matmul":
-            segments = _segment_hint(node)
-            if segments:
-                spec = RuleSpec(spec.rule, {**spec.args, "segments": segments})
+            segments, parts = _segment_parts(node) or (None, [node])
+            heads = _heads(parts, segments or (_last_dim(node),))
+            if segments or heads:
+                spec = RuleSpec(spec.rule, {**spec.args, "segments": segments, "heads": heads})
         if spec is not None and spec.rule in ("weight_matmul", "embedding"):
             spec = RuleSpec(spec.rule, {**spec.args, "owner": _owner(node, spec, ctx)})
-        node.meta["tp_rule"] = spec
-    for down, up in _low_rank_pairs(gm, ctx):
-        down.meta["tp_rule"] = RuleSpec("weight_matmul", {**down.meta["tp_rule"].args, "low_rank": "down"})
-        up.meta["tp_rule"] = RuleSpec("weight_matmul", {**up.meta["tp_rule"].args, "low_rank_from": down})
+        node.meta["tp_rule"] = _contraction(node, ctx) or spec
+    mark_kept_whole(gm, ctx)
     return gm
 
 
-def _weight_sizes(node: Node, ctx: PassContext) -> Optional[tuple[int, int]]:
-    """(in, out) features of a weight matmul with a 2-D parameter weight, else None."""
-    spec = node.meta.get("tp_rule")
-    if spec is None or spec.rule != "weight_matmul":
+def _contraction(node: Node, ctx: PassContext) -> Optional[RuleSpec]:
+    """weight_contract for a matmul / einsum / grouped matmul with a 3-D (expert) or gathered parameter view,
+    or an einsum with a parameter no other op reads (sharding_rules/experts.py)."""
+    found = contraction(node) if node.op == "call_function" else None
+    if found is None or found[2].param.target not in ctx.tensors:
         return None
-    w, transposed = weight_view(node.args[spec.get("weight")] if spec.get("weight") < len(node.args) else None)
-    if w is None or w.target not in ctx.tensors or ctx.tensors[w.target].dim() != 2:
-        return None
-    rows, cols = ctx.tensors[w.target].shape
-    out_in = (spec.get("weight_layout") == "out_in") != transposed
-    return (int(cols), int(rows)) if out_in else (int(rows), int(cols))
-
-
-def _low_rank_pairs(gm: GraphModule, ctx: PassContext) -> list[tuple[Node, Node]]:
-    """(down, up) projections through a narrow value: out <= in/8, and everything computed from that value
-    (dropout, scaling, a norm, a reshape; nothing else mixed in) flows into one weight matmul that widens it
-    again (LoRA A -> B, MLA's q_a -> q_b). A value that also goes elsewhere or meets another activation (a
-    residual stream) makes no pair.
-
-    Megatron and vLLM keep such a down-projection whole on every rank and split the up-projection,
-    which needs no communication; propagation does the same when the down-projection's input is whole.
-    """
-    pairs = []
-    for node in gm.graph.nodes:
-        sizes = _weight_sizes(node, ctx)
-        if sizes is None or sizes[1] * 8 > sizes[0]:
-            continue
-        ends, region, todo = set(), {node}, list(node.users)
-        while todo and len(region) < 32:
-            u = todo.pop()
-            if u in region or u in ends:
-                continue
-            spec = u.meta.get("tp_rule")
-            if _weight_sizes(u, ctx) is not None:
-                ends.add(u)
-            elif u.op == "call_function" and spec is not None and spec.rule in _THROUGH and all(
-                    i in region or i.op == "get_attr" for i in u.all_input_nodes):  # nothing else mixed in
-                region.add(u)
-                todo += list(u.users)
-            else:
-                ends.add(None)  # the value escapes the chain
-        up = next(iter(ends)) if len(ends) == 1 and not todo else None
-        if up is not None and _weight_sizes(up, ctx)[0] == sizes[1]:
-            pairs.append((node, up))
-    return pairs
+    act, weight, view, eq = found
+    if not view.nodes and (len(view.param.users) > 1 or len(ctx.aliases(view.param.target)) > 1):
+        return None  # a plain parameter read elsewhere too (a tied head): read as the other ops cut it
+    return RuleSpec("weight_contract", {"act": act, "weight": weight, "view": view, "equation": eq,
+                                        "owner": owner_path(view.param.target), "segments": _segment_hint(node)})
 
 
 def _owner(node: Node, spec: RuleSpec, ctx: PassContext) -> Optional[str]:
@@ -142,8 +109,67 @@ def _unbound_later(node: Node, d: int) -> bool:
     return False
 
 
+def _sliced_segments(node: Node, width: Optional[int]) -> Optional[tuple[tuple[int, ...], list[Node]]]:
+    """Sizes of the slices along the last dim that tile it (`qkv[..., :q]`, `qkv[..., q:q + kv]`, ...), and the
+    slices."""
+    ndim = node.meta["val"].dim() if isinstance(node.meta.get("val"), torch.Tensor) else 0
+    cuts: dict[tuple[int, int], Node] = {}
+    for u in node.users:
+        if u.target is not torch.ops.aten.slice.Tensor or not width:
+            continue
+        args = list(u.args) + [None] * (5 - len(u.args))
+        if (args[1] or 0) % ndim != ndim - 1 or args[4] not in (None, 1):
+            continue
+        ends = [0 if args[2] is None else args[2], width if args[3] is None else args[3]]
+        if not all(isinstance(e, int) for e in ends):
+            return None
+        cuts[tuple(min(width, e + width if e < 0 else e) for e in ends)] = u
+    bounds = sorted(cuts)
+    if len(bounds) < 2 or bounds[0][0] != 0 or bounds[-1][1] != width or any(
+            a[1] != b[0] for a, b in zip(bounds, bounds[1:])):
+        return None
+    return tuple(b - a for a, b in bounds), [cuts[b] for b in bounds]
+
+
 def _segment_hint(node: Node) -> Optional[tuple[int, ...]]:
     """Sizes a fused projection's output is split into along its last dim (q|k|v), if it is."""
+    parts = _segment_parts(node)
+    return parts[0] if parts else None
+
+
+def _heads(parts: list[Optional[Node]], segments: tuple) -> Optional[tuple[Optional[int], ...]]:
+    """Each segment's head size, where a reshape splits it into (heads, head size); a segment with none takes
+    another's when it is a whole number of such heads (MQA's one key head). None when no segment has heads."""
+    sizes = [_head_size(p, s) if p is not None and isinstance(s, int) else None for p, s in zip(parts, segments)]
+    known = next((d for d in sizes if d), None)
+    if known is None:
+        return None
+    return tuple(d or (known if isinstance(s, int) and s % known == 0 else None) for d, s in zip(sizes, segments))
+
+
+def _head_size(value: Node, width: int) -> Optional[int]:
+    """d for the first reshape after `value` (through elementwise ops and transposes) to (..., h, d), h * d == width."""
+    todo, seen = [value], set()
+    while todo and len(seen) < 12:
+        n = todo.pop(0)
+        for u in n.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            spec = lookup(u.target)
+            val = u.meta.get("val")
+            if spec is not None and spec.rule == "reshape" and isinstance(val, torch.Tensor) and val.dim() >= 2 \
+                    and all(isinstance(v, int) for v in val.shape[-2:]) and val.shape[-2] * val.shape[-1] == width \
+                    and _last_dim(n) == width:
+                return int(val.shape[-1])
+            if spec is not None and spec.rule in ("pointwise", "transpose", "reshape") and _last_dim(u) == width:
+                todo.append(u)
+    return None
+
+
+def _segment_parts(node: Node) -> Optional[tuple[tuple[int, ...], list[Optional[Node]]]]:
+    """Sizes a fused projection's output is split into along its last dim (q|k|v), and the value holding each
+    part (None for a stacked (3, heads, dim) layout), if it is split."""
     width, cur = _last_dim(node), node
     for _ in range(8):
         users = list(cur.users)
@@ -154,11 +180,15 @@ def _segment_hint(node: Node) -> Optional[tuple[int, ...]]:
                 ndim = cur.meta["val"].dim()
                 dim = u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)
                 if dim % ndim == ndim - 1:
-                    return tuple(int(v.shape[-1]) for v in vals)
+                    got = {g.args[1]: g for g in u.users if g.target is operator.getitem}
+                    return tuple(int(v.shape[-1]) for v in vals), [got.get(i) for i in range(len(vals))]
             if spec is not None and spec.rule == "reshape" and width:
                 stacked = _stacked_segments(u, width)
                 if stacked:
-                    return stacked
+                    return stacked, [None] * len(stacked)
+        sliced = _sliced_segments(cur, width)
+        if sliced:
+            return sliced
         if len(users) != 1:
             return None
         nxt = users[0]

@@ -13,7 +13,8 @@ from torch.fx import GraphModule
 
 from tpcompile.passes.pass_context import PassContext, describe, owner_path
 from tpcompile.passes.propagate import SEED_RULES, seed_path
-from tpcompile.placement import ParamSlice, slice_shape
+from tpcompile.placement import ParamSlice, is_seq, slice_shape
+from tpcompile.sharding_rules.rule_context import RuleContext, not_token_split
 
 SPLIT_ROLES = ("column", "row", "vocab")
 
@@ -31,10 +32,12 @@ class ParamPlan:
     tied: tuple[str, ...] = ()  # other names of the same parameter
     padded: Optional[int] = None  # split as if zero-padded to this size along dim
     pieces: Optional[int] = None  # split into this many pieces, each shared by world_size/pieces ranks
+    seg_pieces: Optional[tuple[int, ...]] = None  # per segment, its number of pieces (kv heads fewer than ranks)
 
     def slice(self) -> Optional[ParamSlice]:
         """How the parameter is cut (tpcompile.placement.rank_pieces; None: whole)."""
-        return None if self.dim is None else ParamSlice(self.dim, self.segments, self.padded, self.pieces)
+        return None if self.dim is None else ParamSlice(self.dim, self.segments, self.padded, self.pieces,
+                                                         self.seg_pieces)
 
 
 @dataclass
@@ -48,6 +51,8 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     # reductions and norms over a split dim put together from partial statistics: op and place -> how, and why
     statistics: dict[str, str] = field(default_factory=dict)
+    # with sequence_parallel=True: each row split or vocabulary embedding -> where its sum lands, and why
+    sequence_parallel: dict[str, str] = field(default_factory=dict)
 
     def __getitem__(self, module: str) -> str:
         return self.modules[module]
@@ -67,6 +72,10 @@ def build_plan(gm: GraphModule, ctx: PassContext) -> Plan:
         # the first split role names it
         if path is not None and plan.modules.get(path, "replicated") == "replicated":
             plan.modules[path] = role
+        if ctx.sequence_parallel and role in ("row", "vocab") and path is not None:
+            why = not_token_split(RuleContext.shape(node), ctx.world_size)
+            plan.sequence_parallel[path] = "reduce-scattered: split by tokens" if is_seq(node.meta["tp_placement"]) \
+                else f"not split by tokens: {why or 'its sum is needed whole'}"
     for seed, why in [*ctx.demoted.items(), *ctx.notes.items()]:
         if seed_path(seed) is not None:
             plan.replicated[seed_path(seed)] = why
@@ -85,5 +94,6 @@ def build_plan(gm: GraphModule, ctx: PassContext) -> Plan:
         tied = tuple(n for n in ctx.aliases(name) if n != name)
         plan.parameters[name] = ParamPlan(name, role, None if sl is None else sl.dim,
                                           None if sl is None else sl.segments, tuple(t.shape), local, tied,
-                                          None if sl is None else sl.padded, None if sl is None else sl.pieces)
+                                          None if sl is None else sl.padded, None if sl is None else sl.pieces,
+                                          None if sl is None else sl.seg_pieces)
     return plan

@@ -9,14 +9,15 @@ from torch import fx
 from torch.fx import GraphModule, Node
 
 import tpcompile.ops  # noqa: F401  (registers torch.ops.tpcompile.* and tpcompile_rng.*)
-from tpcompile.ops.schedule import collective_name
 from tpcompile.ops.guards import check_token_ids
+from tpcompile.ops.schedule import collective_name
 from tpcompile.passes.pass_context import PassContext, describe, internal_error
 from tpcompile.passes.rank_module import build_rank_module
 from tpcompile.passes.rewrite_dropout import emit_dropout, emit_sdpa_with_dropout, is_live_dropout, sdpa_dropout
-from tpcompile.passes.rewrite_slices import local_slice
+from tpcompile.passes.rewrite_slices import gather_tokens, local_slice, reduce_scatter_tokens
 from tpcompile.passes.rewrite_stats import emit_stats, is_stats
-from tpcompile.placement import Replicate, Shard, is_seq, local_shape, shape_key, slice_shape
+from tpcompile.placement import (REPLICATE, Partial, Replicate, Shard, is_seq, local_shape, local_sizes, shape_key,
+                                 slice_shape)
 from tpcompile.sharding_rules.rule_context import Want, weight_view
 
 aten = torch.ops.aten
@@ -60,6 +61,13 @@ class _Emitter:
     def converted(self, w: Want) -> Node:
         """The new-graph value of an input, redistributed to what the consuming op wants."""
         have, src = w.node.meta.get("tp_placement"), self.env[w.node]
+        if isinstance(have, Partial) and not isinstance(w.placement, Partial):  # the pending sum, reduced once
+            have, src = REPLICATE, self._once(("reduce", w.node), tp.all_reduce.default, src, self.ctx.group)
+        if is_seq(have) and isinstance(w.placement, Replicate) and have.outer is not None:  # (B*T, C) tokens
+            op = tp.all_gather.default if w.grad_sync else tp.all_gather_replicated.default
+            if (op, w.node) not in self.cache:
+                self.cache[(op, w.node)] = gather_tokens(self, src, w.node, have, op)
+            return self.cache[(op, w.node)]
         if is_seq(have) and isinstance(w.placement, Replicate):
             # region entry under sequence parallelism: gather the tokens; a split consumer's
             # gradient is partial, so it is reduce-scattered back (all_gather's backward)
@@ -167,17 +175,32 @@ def _piece_params(em: _Emitter, node: Node) -> dict[Node, Node]:
     for arg in node.all_input_nodes:
         p, transposed = weight_view(arg)
         sl = em.ctx.slice_for(p.target) if p is not None else None
-        if sl is not None and sl.pieces:
-            summed = em._once(("pieces", p), torch.ops.tpcompile.grad_piece_all_reduce.default,
-                              em.env[p], sl.dim, sl.pieces, em.ctx.group)
+        if sl is not None and (sl.pieces or sl.seg_pieces):
+            if ("pieces", p) not in em.cache:
+                em.cache[("pieces", p)] = _summed_pieces(em, em.env[p], sl)
+            summed = em.cache[("pieces", p)]
             # a weight read through a transpose: the transpose again, of the summed piece
             out[arg] = em.call(arg.target, summed, *arg.args[1:]) if transposed else summed
     return out
 
 
+def _summed_pieces(em: _Emitter, w: Node, sl: Any) -> Node:
+    """The weight, its gradient summed over the ranks sharing each piece (per segment for a fused q|k|v)."""
+    piece = torch.ops.tpcompile.grad_piece_all_reduce.default
+    if not sl.seg_pieces:
+        return em.call(piece, w, sl.dim, sl.pieces, em.ctx.group)
+    sizes = local_sizes(sl.segments, sl.seg_pieces, em.ws)
+    parts = em.call(aten.split_with_sizes.default, w, sizes, sl.dim)
+    runs = [em.call(operator.getitem, parts, k) for k in range(len(sizes))]
+    runs = [em.call(piece, r, sl.dim, g, em.ctx.group) if g < em.ws else r for r, g in zip(runs, sl.seg_pieces)]
+    return em.call(aten.cat.default, runs, sl.dim)
+
+
 def _emit_output(em: _Emitter, node: Node, gather: bool) -> None:
     def fix(n: Node) -> Node:
         p = n.meta.get("tp_placement")
+        if isinstance(p, Partial):
+            return em._once(("reduce", n), tp.all_reduce.default, em.env[n], em.ctx.group)
         if isinstance(p, Shard) and gather:
             out = em._once(("gather", n), tp.all_gather_replicated.default, em.env[n], p.dim, em.ctx.group)
             if p.padded is not None:  # drop the zero padding past the real size
@@ -188,7 +211,9 @@ def _emit_output(em: _Emitter, node: Node, gather: bool) -> None:
 
 
 def _emit_row(em: _Emitter, node: Node, lookup: Callable[[Node], Node]) -> Node:
-    """Row split: local matmul without bias, one all-reduce, then the bias once."""
+    """Row split: local matmul without bias, one all-reduce, then the bias once (or the sum left pending)."""
+    if isinstance(node.meta.get("tp_placement"), Partial):  # reduced where a later op needs the whole value
+        return _emit_copy(em, node, lookup)
     spec = node.meta["tp_rule"]
     x, w = lookup(node.args[spec.get("input")]), lookup(node.args[spec.get("weight")])
     bi = spec.get("bias")
@@ -207,6 +232,8 @@ def _emit_row(em: _Emitter, node: Node, lookup: Callable[[Node], Node]) -> Node:
 def _reduce(em: _Emitter, node: Node, y: Node) -> Node:
     """Sum the ranks' partial results: all-reduce, or reduce-scatter by tokens under SP."""
     p = node.meta.get("tp_placement")
+    if is_seq(p) and p.outer is not None:  # (B*T, C): reduce-scattered on its (B, T, C) view
+        return reduce_scatter_tokens(em, node, y, p)
     if is_seq(p):
         return em.call(tp.reduce_scatter.default, y, p.dim, em.ctx.group)
     return em.call(tp.all_reduce.default, y, em.ctx.group)
@@ -250,6 +277,12 @@ def _localize_one(em: _Emitter, node: Node, args: list, kind: str, i: int, pos: 
         args[i] = sizes
     elif kind == "split" and node.target is not aten.chunk.default:
         args[i] = [s // ws for s in args[i]] if isinstance(args[i], (list, tuple)) else args[i] // ws
+    elif kind == "set":  # the rule computed the local value (segments cut into fewer pieces than ranks)
+        args[i] = pos
+    elif kind == "shape_set":
+        sizes, (at, value) = list(args[i]), pos
+        sizes[at] = value
+        args[i] = sizes
     return args
 
 

@@ -1,4 +1,5 @@
-"""This rank's part of a whole value for a split laid out in segments, pieces or batch x heads blocks.
+"""Splits laid out in segments, pieces or repeated blocks: this rank's part of a whole value, and the
+collectives of tokens flattened with the batch.
 
 A plain split of a whole value is `tpcompile.scatter` (no communication). For the other layouts
 of a split dim (placement.Shard: `segments`, `pieces`, `outer`) the rank's runs are cut with
@@ -6,6 +7,10 @@ narrows (and a cat when there are several), after unflattening `outer` repetitio
 blocks, all without communication. The whole value's gradient is then only this rank's part, so
 its source passes `grad_all_reduce` first (identity forward, all-reduce backward), keeping the
 invariant that a whole value carries a whole gradient.
+
+Under sequence parallelism a (B*T, C) value whose tokens are split is `Shard(0, seq, outer=B)`:
+B repetitions of T tokens, each split. Its gathers and reduce-scatters run on the (B, T, C) view
+(the size B read off the model input that has it), so each rank's tokens stay in order.
 """
 from __future__ import annotations
 
@@ -25,6 +30,9 @@ tp = torch.ops.tpcompile
 def local_slice(em: Any, src: Node, node: Node, p: Shard) -> Node:
     """Rank em.rank's part, split as `p`, of the whole value `src` (the rank graph's value of `node`)."""
     val = node.meta["val"]
+    if p.seq and p.outer is not None:  # tokens of every sequence: tpcompile.scatter on the (B, T, ...) view
+        x = em.call(tp.scatter.default, unflat_tokens(em, src, p), p.dim + 1, em.ctx.group)
+        return em.call(aten.flatten.using_ints, x, p.dim, p.dim + 1)
     if val.is_floating_point() or val.is_complex():
         src = em.call(tp.grad_all_reduce.default, src, em.ctx.group)
     size = to_size(val.shape[p.dim])
@@ -40,3 +48,47 @@ def local_slice(em: Any, src: Node, node: Node, p: Shard) -> Node:
             for a, b in segment_ranges(block, p.segments, em.rank, em.ws)]
     x = runs[0] if len(runs) == 1 else em.call(aten.cat.default, runs, dim)
     return em.call(aten.flatten.using_ints, x, dim - 1, dim) if p.outer is not None else x
+
+
+def size_node(em: Any, expr: Any) -> Any:
+    """A size of the model's inputs (an int, or a sympy symbol) as a value of the rank graph."""
+    if isinstance(expr, int) or getattr(expr, "is_number", False):
+        return int(expr)
+    key = ("size", str(expr))
+    if key not in em.cache:
+        for ph in em.gm.graph.nodes:
+            dims = getattr(ph.meta.get("val"), "shape", ()) if ph.op == "placeholder" else ()
+            i = next((i for i, d in enumerate(dims) if isinstance(d, torch.SymInt)
+                      and sympy.simplify(d.node.expr - sympy.sympify(expr)) == 0), None)
+            if i is not None:
+                em.cache[key] = em.call(aten.sym_size.int, em.env[ph], i)
+                break
+        else:
+            raise ValueError(f"no model input has a dim of size {expr}")
+    return em.cache[key]
+
+
+def unflat_tokens(em: Any, x: Node, p: Shard) -> Node:
+    """(B*T', ...) -> (B, T', ...) along p.dim, for a token split flattened with the batch (p.outer = B)."""
+    return em.call(aten.unflatten.int, x, p.dim, [size_node(em, p.outer), -1])
+
+
+def _tokens_shape(node: Node, p: Shard, rank_tokens: bool, ws: int) -> tuple:
+    shape = [to_size(s) for s in node.meta["val"].shape]
+    tokens = sympy.simplify(sympy.sympify(shape[p.dim]) / sympy.sympify(p.outer))
+    shape[p.dim:p.dim + 1] = [p.outer, tokens // ws if rank_tokens else tokens]
+    return tuple(str(s) for s in shape)
+
+
+def reduce_scatter_tokens(em: Any, node: Node, y: Node, p: Shard) -> Node:
+    """A row split's (B*T, C) sum reduce-scattered by tokens on its (B, T, C) view, flattened back."""
+    out = em.call(tp.reduce_scatter.default, unflat_tokens(em, y, p), p.dim + 1, em.ctx.group)
+    out.meta["tp_shape"] = _tokens_shape(node, p, False, em.ws)
+    return em.call(aten.flatten.using_ints, out, p.dim, p.dim + 1)
+
+
+def gather_tokens(em: Any, src: Node, node: Node, p: Shard, op: Any) -> Node:
+    """Every rank's tokens of a (B*T', C) token split gathered on its (B, T', C) view, flattened back."""
+    out = em.call(op, unflat_tokens(em, src, p), p.dim + 1, em.ctx.group)
+    out.meta["tp_shape"] = _tokens_shape(node, p, True, em.ws)
+    return em.call(aten.flatten.using_ints, out, p.dim, p.dim + 1)

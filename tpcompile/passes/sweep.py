@@ -15,9 +15,10 @@ from torch.fx import GraphModule, Node
 from tpcompile.passes.op_result import check_wants, gathering_seq, op_result
 from tpcompile.passes.pass_context import PassContext, describe, internal_error
 from tpcompile.placement import REPLICATE, ParamSlice, Shard, is_seq, slice_placement
+from tpcompile.sharding_rules.partial import partial_result
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, weight_view
 
-SEED_RULES = ("weight_matmul", "embedding")  # the ops that hold the weights a split starts from
+SEED_RULES = ("weight_matmul", "embedding", "weight_contract")  # the ops that hold the weights a split starts from
 WRITE_RULES = ("write_into",)  # in-place writes into a buffer, which they cut like the value written
 SEED_ROLES = ("column", "vocab")  # the roles that start a split (a row split ends one)
 _INPUT_LIKE = ("reshape", "pointwise", "expand")  # ops that keep a model input a model input
@@ -133,7 +134,7 @@ class Sweep:
         """Ask the op's rule, judge any conflict, record the result."""
         src = self.sources(node)  # before judging: blaming dooms seeds, which changes what inputs read as
         try:
-            res = op_result(node, self.rules, self.placement)
+            res = partial_result(node, self.rules, self.placement, op_result)
         except Exception as e:  # a rule bug: name the node and pass, keep the cause
             raise internal_error("propagate", node, e) from e
         # the splits lost on the way here (blamed at a conflict, or doomed): a seed fed by them is whole-input
@@ -218,6 +219,8 @@ def _weight_args(node: Node) -> set:
         return {dst} if isinstance(dst, Node) and dst.op == "get_attr" else set()
     if node.op != "call_function" or spec is None or spec.rule not in SEED_RULES:
         return set()
+    if spec.get("view") is not None:  # a parameter viewed through transposes / a gather by expert ids
+        return {spec.get("view").param, *spec.get("view").nodes}
     positions = [spec.get("weight"), spec.get("bias")] if spec.rule == "weight_matmul" else [0]
     args = [node.args[i] for i in positions if i is not None and i < len(node.args)]
     return {w for w in (weight_view(a)[0] for a in args) if w is not None} | \
@@ -264,7 +267,8 @@ def _output(node: Node, placement: Any, src: frozenset, ctx: PassContext) -> lis
 
 def _requires_grad(node: Node, ctx: PassContext, grad: dict[Node, bool]) -> bool:
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor) or not (val.is_floating_point() or val.is_complex()):
+    vals = val if isinstance(val, (list, tuple)) else [val]  # a multi-output op (topk, split): any float output
+    if not any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in vals):
         return False
     if node.op == "get_attr":
         t = ctx.tensors.get(node.target)

@@ -68,10 +68,16 @@ def check_tiling(name: str, shape: tuple, sl: Any, world_size: int) -> None:
         raise TPCompileError(f"parameter {name}: split size {full} (segments {sl.segments}) does not match its "
                              f"dim {sl.dim} of size {size}; {way_out}")
     pieces = sl.pieces or world_size
-    if world_size % pieces or any(s % pieces for s in (sl.segments or (full,))):
+    segs = sl.segments or (full,)
+    counts = sl.seg_pieces or (pieces,) * len(segs)
+    if world_size % pieces or any(s % g or world_size % g for s, g in zip(segs, counts)):
         raise TPCompileError(f"parameter {name}: dim {sl.dim} of size {full} (segments {sl.segments}) cannot be "
                              f"cut into {pieces} equal pieces for world size {world_size}; {way_out}")
-    covered = sorted(r for rank in range(pieces) for r in segment_ranges(full, sl.segments, rank, pieces))
+    if sl.seg_pieces:  # each segment's distinct pieces, held by one or more ranks
+        covered = sorted({r for rank in range(world_size)
+                          for r in segment_ranges(full, sl.segments, rank, world_size, sl.seg_pieces)})
+    else:
+        covered = sorted(r for rank in range(pieces) for r in segment_ranges(full, sl.segments, rank, pieces))
     pos = 0
     for a, b in covered:
         if a != pos or b > full:

@@ -55,6 +55,11 @@ def _hint(s: Any) -> int:
     return int(optimization_hint(s, fallback=8))
 
 
+def example_size(node: Node, dim: int) -> int:
+    """The size of one dim of a tensor node at the capture's example sizes."""
+    return _hint(node.meta["val"].shape[dim])
+
+
 def example_numel(node: Node) -> int:
     """The number of elements of a tensor node at the capture's example sizes."""
     n = 1

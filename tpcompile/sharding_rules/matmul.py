@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Replicate, Shard, moved, padded_size, shard
+from tpcompile.placement import PARTIAL, REPLICATE, Replicate, Shard, moved, padded_size, shard_of
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import ParamSlice, Result, RuleContext, Want, weight_view
 from tpcompile.sharding_rules.table import RuleSpec
@@ -35,24 +35,28 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if ctx.demoted(node):
         return Result(REPLICATE, [Want(x, REPLICATE)], role="replicated", params=params)
     if isinstance(px, Replicate) or (isinstance(px, Shard) and px.seq):
-        why = _keep_whole(spec)
+        why = _keep_whole(spec) or (f"{wshape[out_dim]} output feature(s), fewer than the {ctx.world_size} ranks: "
+                                    f"whole on every rank" if wshape[out_dim] < ctx.world_size else None)
         if why:
             return Result(REPLICATE, [Want(x, REPLICATE)], role="replicated", params=params, note=why)
         segments = ctx.segment_hint(node) or (wshape[out_dim],)
-        bad = [s for s in segments if s % ctx.world_size]
+        counts = head_pieces(segments, spec.get("heads"), ctx.world_size)
+        bad = [s for s, g in zip(segments, counts) if s % g]
         padded = None
         if bad and len(segments) > 1:
             return Result(REPLICATE, [Want(x, REPLICATE)], role="replicated", params=params,
                           demote_self=f"segment {bad[0]} not divisible by world size {ctx.world_size}")
         if bad:  # zero-padded to a multiple of the world size; fine up to a row split or the output
             padded = padded_size(wshape[out_dim], ctx.world_size)
-        pieces = ctx.pieces_of(node)  # fewer pieces than ranks: each held by several ranks
-        if pieces:
-            segments, padded = (wshape[out_dim],), None
-        out = replace(shard(len(ctx.shape(node)) - 1, segments), padded=padded, pieces=pieces)
-        params[w] = ParamSlice(out_dim, out.segments, padded, pieces)
+        pieces = ctx.pieces_of(node) or (counts[0] if len(segments) == 1 and counts[0] < ctx.world_size else None)
+        if pieces:  # fewer pieces than ranks: each held by several ranks (MQA's one kv head: by all)
+            segments, padded, counts = (wshape[out_dim],), None, [ctx.world_size]
+        seg_pieces = tuple(counts) if any(g < ctx.world_size for g in counts) else None
+        out = replace(shard_of(len(ctx.shape(node)) - 1, segments, seg_pieces, ctx.world_size), padded=padded,
+                      pieces=pieces)
+        params[w] = ParamSlice(out_dim, out.segments, padded, pieces, out.seg_pieces)
         if isinstance(b, Node):
-            params[b] = ParamSlice(0, out.segments, padded, pieces)
+            params[b] = ParamSlice(0, out.segments, padded, pieces, out.seg_pieces)
         return Result(out, [ctx.replicated_want(x, out)], role="column", params=params)
     if isinstance(px, Shard) and px.pieces is not None:
         # pieces shared by several ranks would be summed once per sharing rank (2 query heads at 4 ranks)
@@ -61,7 +65,8 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
                                f"split would count each piece {ctx.world_size // px.pieces} times")
     if isinstance(px, Shard) and px.dim == len(xshape) - 1 and px.outer is None:
         params[w] = ParamSlice(in_dim, px.segments, px.padded)
-        out = ctx.reduced(node)
+        # without a bias the sum stays pending until an op needs it whole (experts summed, then reduced once)
+        out = PARTIAL if not isinstance(b, Node) and not ctx.sequence_parallel else ctx.reduced(node)
         # the bias is added once, after the reduce; on token-split output its gradient is partial
         bias = [ctx.replicated_want(b, out)] if isinstance(b, Node) else []
         return Result(out, [Want(x, px)] + bias, role="row", params=params)
@@ -69,8 +74,21 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
                   conflict=f"input is sharded on dim {px.dim}, not on the contracted dim")
 
 
+def head_pieces(segments: tuple, heads: Optional[tuple], world_size: int) -> list[int]:
+    """Per segment, how many pieces it is cut into: the world size, or its head count when that is fewer than
+    the ranks and divides them (kv heads of a fused q|k|v; 1 for multi-query attention, whole on every rank)."""
+    out = []
+    for i, s in enumerate(segments):
+        d = heads[i] if heads and i < len(heads) else None
+        n = s // d if d and s % d == 0 else None
+        out.append(n if n and n < world_size and world_size % n == 0 else world_size)
+    return out
+
+
 def _keep_whole(spec: RuleSpec) -> Optional[str]:
     """Why a low-rank projection with a whole input stays whole (annotate pairs them), or None."""
+    if spec.get("router"):
+        return "router: whole on every rank (its top-k choice needs every expert's score)"
     if spec.get("low_rank") == "down":
         return "low-rank down-projection: whole on every rank (its up-projection is split instead)"
     partner = spec.get("low_rank_from")

@@ -17,7 +17,7 @@ from typing import Any, Optional
 from torch.fx import Node
 
 from tpcompile.placement import REPLICATE, Replicate, Shard, moved
-from tpcompile.sharding_rules.dtensor_fallback import example_numel
+from tpcompile.sharding_rules.dtensor_fallback import example_numel, example_size
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim
 from tpcompile.sharding_rules.table import RuleSpec, op_name
@@ -46,7 +46,7 @@ def choose(node: Node, x: Node, ctx: RuleContext, values: int, what: str, result
     """
     p = ctx.placement(x)
     ws = ctx.world_size
-    rows = example_numel(x) // max(1, _size(ctx, x, p.dim))
+    rows = example_numel(x) // max(1, example_size(x, p.dim))
     moved_bytes = rows * values * 4 * (ws - 1)
     saved = ctx.split_bytes(x) * (ws - 1) // ws
     reached = 1
@@ -119,11 +119,6 @@ def _weight_of(node: Node) -> Any:
     spec = node.meta["tp_rule"]
     i = spec.get("weight")
     return node.args[i] if i is not None and i < len(node.args) else None
-
-
-def _size(ctx: RuleContext, x: Node, dim: int) -> int:
-    size = ctx.shape(x)[dim]
-    return size if isinstance(size, int) else 1
 
 
 def _splittable(p: Any) -> bool:

@@ -91,8 +91,13 @@ class RuleContext:
     def reduced(self, node: Node) -> Placement:
         """Where a row split's sum lands: split by tokens under sequence parallelism, else whole."""
         shape = self.shape(node)
-        if self.sequence_parallel and shape is not None and len(shape) >= 3 and not isinstance(shape[1], int):
+        if not self.sequence_parallel or shape is None:
+            return REPLICATE
+        if not_token_split(shape, self.world_size) is None:
             return Shard(1, seq=True)
+        batch = flat_tokens(node, shape)  # (B*T, C): B repetitions of T tokens, each split
+        if batch is not None:
+            return Shard(0, seq=True, outer=None if batch == 1 else batch)
         return REPLICATE
 
     @staticmethod
@@ -140,6 +145,35 @@ def weight_view(arg: Any) -> tuple[Optional[Node], bool]:
     if op == "aten.permute.default" and [d % 2 for d in arg.args[1]] != [1, 0]:
         return None, False
     return src, True
+
+
+def flat_tokens(node: Node, shape: Sequence[Size]) -> Optional[Size]:
+    """The batch size B when a 2-D value's first dim is a model input's batch x tokens, (B*T, C) (GPT-2's Conv1D
+    and OPT flatten the tokens before a projection), else None."""
+    if len(shape) != 2 or isinstance(shape[0], int):
+        return None
+    for ph in node.graph.nodes:
+        if ph.op == "call_function":
+            break  # the inputs (and attribute reads) come first
+        if ph.op != "placeholder":
+            continue
+        s = RuleContext.shape(ph)
+        if s is not None and len(s) >= 2 and not isinstance(s[1], int) and sizes_equal(s[0] * s[1], shape[0]):
+            return s[0]
+    return None
+
+
+def not_token_split(shape: Sequence[Size], world_size: int) -> Optional[str]:
+    """Why a row split's sum of this shape cannot land split by tokens on dim 1, or None when it can.
+
+    A token count fixed by the model (a vision transformer's patches) must be a multiple of the world
+    size; a dynamic one is checked at run time.
+    """
+    if len(shape) < 3:
+        return f"its sum {tuple(shape)} has no dim of tokens (nor a model input's batch x tokens flattened)"
+    if isinstance(shape[1], int) and (shape[1] < 2 or shape[1] % world_size):
+        return f"its {shape[1]} tokens (fixed by the model) are not a multiple of world size {world_size}: all-reduced"
+    return None
 
 
 def norm_dim(dim: int, ndim: int) -> int:

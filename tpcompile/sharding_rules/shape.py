@@ -5,9 +5,10 @@ from dataclasses import replace
 from typing import Optional, Sequence
 
 import sympy
+import torch
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Replicate, Shard, moved, shard
+from tpcompile.placement import REPLICATE, Replicate, Shard, local_sizes, moved, shard, shard_of
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Size, Want, norm_dim, prod, sizes_equal
 from tpcompile.sharding_rules.table import RuleSpec
@@ -96,12 +97,15 @@ def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: i
             m = _exact(sympy.sympify(size) / sum(one))  # runs folded into this dim
             if m is None or not sizes_equal(pre * m, count * k):
                 continue
-            if any(s % (p.pieces or ws) for s in one):  # a finer dim may still hold whole blocks
+            if not p.seq and any(s % (p.pieces or ws) for s in one):  # a finer dim may still hold whole blocks
                 sizes = "x".join(str(s) for s in outs_g)
                 why = (f"reshape splits a sharded dim of size {ins[p.dim]} into ({sizes}); "
                        f"{size} is not divisible by world size {ws}")
                 continue
-            return replace(shard(gj[u], one), outer=None if m == 1 else m, pieces=p.pieces), ""
+            # tokens (seq) are split at run time, where their count must be a multiple of the world size
+            if isinstance(m, int) and m > 1 and p.pieces is None and not p.seq:  # m known repetitions: segments
+                return shard(gj[u], list(one) * m), ""
+            return replace(shard(gj[u], one), outer=None if m == 1 else m, pieces=p.pieces, seq=p.seq), ""
         return None, why
     return None, "sharded dim not found"
 
@@ -143,6 +147,12 @@ def reshape(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return done
     x = node.args[0]
     p = ctx.placement(x)
+    if p.pieces == 1 and p.split_next is None:  # whole on every rank (one kv head for all): global shape
+        groups = _groups(ctx.shape(x), ctx.shape(node)) or []
+        dims = next((gj for gi, gj in groups if p.dim in gi), [])
+        ones = [j for j in dims if ctx.shape(node)[j] == 1] or dims[:1]
+        if ones:
+            return Result(Shard(ones[0], pieces=1), [Want(x, p)])
     out, why = reshape_placement(p, ctx.shape(x), ctx.shape(node), ctx.world_size)
     if out is None:
         res = _fail(node, why)
@@ -227,6 +237,13 @@ def _dim(node: Node, spec: RuleSpec, ndim: int) -> int:
     return norm_dim(dim, ndim)
 
 
+def _on_one(p: Shard, shape: Sequence) -> Shard:
+    """A one-piece split (whole on every rank) moved to the last dim of size 1 before it, where the heads
+    of multi-query attention are broadcast from (so that expand splits them among the ranks)."""
+    ones = [d for d in range(p.dim) if shape[d] == 1]
+    return moved(p, ones[-1]) if p.pieces == 1 and ones else p
+
+
 @rule("split", args=_ALONG)
 def split(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """split / split_with_sizes / chunk: pieces along the sharded dim must be whole segments."""
@@ -240,19 +257,27 @@ def split(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return Result(tuple(p for _ in pieces), [Want(x, p)])
     if p.padded is not None:
         return _fail(node, f"split of a dim padded to {p.padded}")
-    segs = list(p.segments or (ctx.shape(x)[dim],))
-    outs, k = [], 0
+    segs, ws = list(p.segments or (ctx.shape(x)[dim],)), ctx.world_size
+    counts = list(p.seg_pieces or [ws] * len(segs))
+    outs, local, k = [], [], 0
     for shape in pieces:
-        want, got = int(shape[dim]), []
+        want, got, gs = int(shape[dim]), [], []
         while k < len(segs) and sum(got) < want:
-            got.append(segs[k]); k += 1
+            got.append(segs[k]); gs.append(counts[k]); k += 1
         if sum(got) != want:
             return _fail(node, f"split into {[int(s[dim]) for s in pieces]} cuts through the per-rank "
                                f"blocks {segs} of dim {dim}")
-        outs.append(shard(dim, got))
-    if any(int(s[dim]) % ctx.world_size for s in pieces):
+        outs.append(_on_one(shard_of(dim, got, gs, ws), shape))
+        local.append(sum(local_sizes(got, gs, ws)))
+    if any(int(s[dim]) % ws for s, o in zip(pieces, outs) if o.pieces is None and o.seg_pieces is None):
         return _fail(node, "a split piece is not divisible by the world size")
-    return Result(tuple(outs), [Want(x, p)], localize=[("split", 1, dim, None)])
+    if p.seg_pieces is None:
+        return Result(tuple(outs), [Want(x, p)], localize=[("split", 1, dim, None)])
+    if node.target is torch.ops.aten.chunk.default and len(set(local)) > 1:
+        return _fail(node, f"chunk of segments whose parts differ in size on a rank ({local})")
+    # segments of fewer pieces than ranks keep more of their size: the local sizes, as they are
+    loc = None if node.target is torch.ops.aten.chunk.default else [("set", 1, local, None)]
+    return Result(tuple(outs), [Want(x, p)], localize=loc)
 
 
 @rule("unbind", args=_ALONG)
@@ -284,33 +309,3 @@ def cat(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return Result(REPLICATE, [Want(t, REPLICATE) for t in tensors],
                       conflict="cat of differently sharded values or along the sharded dim")
     return Result(target, [Want(t, target) for t in tensors])
-
-
-def _along(node: Node, spec: RuleSpec, ctx: RuleContext) -> tuple[Node, Shard, int]:
-    """The input, its sharding and the op's dim argument, for ops that act along one dim."""
-    x = node.args[0]
-    return x, ctx.placement(x), _dim(node, spec, len(ctx.shape(x)))
-
-
-@rule("slice", args=_ALONG)
-def slice_(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
-    """slice: any dim but the sharded one, where only a full slice is allowed."""
-    done = _passthrough(node, ctx)
-    if done:
-        return done
-    x, p, dim = _along(node, spec, ctx)
-    if dim == p.dim and not sizes_equal(ctx.shape(x)[dim], ctx.shape(node)[dim]):
-        return _fail(node, "slice along the sharded dim")
-    return Result(p, [Want(x, p)])
-
-
-@rule("select", args={"dim_arg": int})
-def select(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
-    """select: removes a dim other than the sharded one."""
-    done = _passthrough(node, ctx)
-    if done:
-        return done
-    x, p, dim = _along(node, spec, ctx)
-    if dim == p.dim:
-        return _fail(node, "select along the sharded dim")
-    return Result(moved(p, p.dim - (dim < p.dim)), [Want(x, p)])

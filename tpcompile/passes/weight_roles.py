@@ -1,0 +1,143 @@
+"""Weight ops kept whole by design, found by annotate before propagation: routers and low-rank down-projections.
+
+Megatron, vLLM and DeepSpeed keep both whole on every rank: a mixture of experts' router (its output
+is one score per expert, and the top-k choice needs them all), and the narrow projection of a
+low-rank pair (LoRA's A, MLA's q_a / kv_a in DeepSeek), whose widening partner is split instead
+with no communication between them. The reason is a note in the plan, not a warning.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+import torch
+from torch.fx import GraphModule, Node
+
+from tpcompile.passes.pass_context import PassContext
+from tpcompile.sharding_rules import RuleSpec, lookup, op_name
+from tpcompile.sharding_rules.rule_context import weight_view
+
+_THROUGH = {"pointwise", "reshape", "norm", "reduce", "split"}  # what lies between a low-rank pair's projections
+_NORMS = {"norm", "reduce"}  # a norm over the narrow features (written out: pow, mean, rsqrt)
+# choices among the last dim's entries: op -> (position of its dim argument, default dim)
+_SELECT = {"aten.topk.default": (2, -1), "aten.sort.default": (1, -1), "aten.sort.stable": (2, -1),
+           "aten.argsort.default": (1, -1), "aten.argsort.stable": (2, -1), "aten.argmax.default": (1, None),
+           "aten.max.dim": (1, None), "aten.kthvalue.default": (2, -1)}
+_SCORES = {"pointwise", "reshape", "along_dim", "softmax", "expand", "transpose", "permute", "cat"}  # logits -> choice
+
+
+def mark_kept_whole(gm: GraphModule, ctx: PassContext) -> None:
+    """Mark routers (`router`) and low-rank pairs (`low_rank` on the narrow one, `low_rank_from` on the wide one)."""
+    for node in _routers(gm, ctx):
+        node.meta["tp_rule"] = RuleSpec("weight_matmul", {**node.meta["tp_rule"].args, "router": True})
+    for down, up in _low_rank_pairs(gm, ctx):
+        down.meta["tp_rule"] = RuleSpec("weight_matmul", {**down.meta["tp_rule"].args, "low_rank": "down"})
+        up.meta["tp_rule"] = RuleSpec("weight_matmul", {**up.meta["tp_rule"].args, "low_rank_from": down})
+
+
+def weight_sizes(node: Node, ctx: PassContext) -> Optional[tuple[int, int]]:
+    """(in, out) features of a weight matmul with a 2-D parameter weight, else None."""
+    spec = node.meta.get("tp_rule")
+    if spec is None or spec.rule != "weight_matmul":
+        return None
+    w, transposed = weight_view(node.args[spec.get("weight")] if spec.get("weight") < len(node.args) else None)
+    if w is None or w.target not in ctx.tensors or ctx.tensors[w.target].dim() != 2:
+        return None
+    rows, cols = ctx.tensors[w.target].shape
+    out_in = (spec.get("weight_layout") == "out_in") != transposed
+    return (int(cols), int(rows)) if out_in else (int(rows), int(cols))
+
+
+def _low_rank_pairs(gm: GraphModule, ctx: PassContext) -> list[tuple[Node, Node]]:
+    """(down, up) projections through a narrow value, everything computed from it (dropout, scaling, a norm,
+    a reshape, a split; nothing else mixed in) flowing into one weight matmul that widens (part of) it again:
+    LoRA's A -> B when out <= in/8 and the value goes nowhere else; MLA's q_a -> q_b and kv_a -> kv_b
+    (out <= in/2, a norm over the narrow features on the way), where part of the value may also go elsewhere
+    (kv_a's rotary key, whole on every rank anyway). A value meeting another activation (a residual
+    stream) is not followed.
+
+    Megatron and vLLM keep such a down-projection whole on every rank and split the up-projection,
+    which needs no communication; propagation does the same when the down-projection's input is whole.
+    """
+    pairs = []
+    for node in gm.graph.nodes:
+        sizes = weight_sizes(node, ctx)
+        if sizes is None or sizes[1] * 2 > sizes[0]:
+            continue
+        ends, region, todo, normed, escapes = set(), {node}, list(node.users), False, False
+        while todo and len(region) < 48:
+            u = todo.pop()
+            if u in region or u in ends:
+                continue
+            spec = u.meta.get("tp_rule")
+            if weight_sizes(u, ctx) is not None:
+                ends.add(u)
+            elif u.op == "call_function" and (u.target is operator.getitem or spec is not None and spec.rule in
+                                              _THROUGH) and all(i in region or i.op == "get_attr" or not _tensor(i)
+                                                                for i in u.all_input_nodes):  # nothing else mixed in
+                region.add(u)
+                normed = normed or (spec is not None and spec.rule in _NORMS)
+                todo += list(u.users)
+            else:
+                escapes = True  # the value goes elsewhere too
+        up = next(iter(ends)) if len(ends) == 1 and not todo else None
+        if up is None:
+            continue
+        up_in, up_out = weight_sizes(up, ctx)
+        lora = not escapes and sizes[1] * 8 <= sizes[0] and up_in == sizes[1]
+        if lora or (normed and up_in <= sizes[1] < up_out):
+            pairs.append((node, up))
+    return pairs
+
+
+def _tensor(node: Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _routers(gm: GraphModule, ctx: PassContext) -> list[Node]:
+    """Weight matmuls whose output reaches a choice among its features (top-k, max, sort) through
+    elementwise ops, softmax and reshapes, directly or inside a no-grad region: a mixture of experts' router."""
+    out = []
+    for node in gm.graph.nodes:
+        if weight_sizes(node, ctx) is None:
+            continue
+        width = weight_sizes(node, ctx)[1]
+        seen, todo = {node}, list(node.users)
+        while todo and len(seen) < 24:
+            u = todo.pop()
+            if u in seen or u.op != "call_function":
+                continue
+            seen.add(u)
+            if _selects(u, width) or _selects_inside(u, gm, width):
+                out.append(node)
+                break
+            spec = lookup(u.target)
+            if (spec is None or spec.rule in _SCORES) and _last(u) == width:  # masking, scattering the scores
+                todo += list(u.users)
+    return out
+
+
+def _last(node: Node) -> Optional[int]:
+    val = node.meta.get("val")
+    return int(val.shape[-1]) if isinstance(val, torch.Tensor) and val.dim() and isinstance(val.shape[-1], int) else None
+
+
+def _selects(node: Node, width: int) -> bool:
+    """True for a top-k / max / sort along the last dim of a value whose last dim is `width` wide."""
+    where = _SELECT.get(op_name(node.target))
+    if where is None or not node.args or not isinstance(node.args[0], Node) or _last(node.args[0]) != width:
+        return False
+    i, default = where
+    dim = node.args[i] if i < len(node.args) else node.kwargs.get("dim", default)
+    return dim is not None and dim % node.args[0].meta["val"].dim() == node.args[0].meta["val"].dim() - 1
+
+
+def _selects_inside(node: Node, gm: GraphModule, width: int) -> bool:
+    """True for a higher-order op (a no-grad region) whose subgraph makes a top-k / max choice."""
+    if not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return False
+    for a in node.args:
+        sub = getattr(gm, a.target, None) if isinstance(a, Node) and a.op == "get_attr" else None
+        if isinstance(sub, GraphModule) and any(_selects(n, width) for n in sub.graph.nodes if n.op == "call_function"):
+            return True
+    return False

@@ -1,0 +1,97 @@
+"""Rules for ops that take part of a tensor: slice, select, and indexing by a tensor of positions.
+
+Along a split dim, a slice is fine when it takes whole segments: a fused projection read as
+`qkv[..., :q_size]`, `qkv[..., q_size:q_size + kv_size]` (Phi-3) is split per segment (annotate's
+segment hint), so each slice is this rank's part of one segment, at local positions that are the
+global ones divided by the world size.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch.fx import Node
+
+from tpcompile.placement import REPLICATE, Replicate, local_sizes, moved, shard_of
+from tpcompile.sharding_rules.registry import rule
+from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim, sizes_equal
+from tpcompile.sharding_rules.table import RuleSpec
+
+_ALONG = {"dim_arg": int, "default_dim": int}
+_END = 2 ** 62  # slice ends at or past this are "to the end" (torch writes sys.maxsize)
+
+
+def _fail(node: Node, why: str, extra: tuple = ()) -> Result:
+    return Result(REPLICATE, [Want(node.args[0], REPLICATE)] + [Want(n, REPLICATE) for n in extra], conflict=why)
+
+
+def _along(node: Node, spec: RuleSpec, ctx: RuleContext) -> tuple[Node, Any, int]:
+    """The input, its placement and the op's dim argument, for ops that act along one dim."""
+    x, i = node.args[0], spec.get("dim_arg")
+    dim = node.args[i] if i < len(node.args) else node.kwargs.get("dim", spec.get("default_dim", 0))
+    return x, ctx.placement(x), norm_dim(dim, len(ctx.shape(x)))
+
+
+def _bound(v: Any, size: int, default: int) -> Optional[int]:
+    """A slice bound as a position in [0, size], or None when it is not a literal."""
+    if v is None:
+        return default
+    if not isinstance(v, int):
+        return None
+    return size if v >= _END else max(0, min(size, v + size if v < 0 else v))
+
+
+@rule("slice", args=_ALONG)
+def slice_(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """slice: any dim but the split one; along it, the whole dim or whole segments of it."""
+    x, p, dim = _along(node, spec, ctx)
+    if isinstance(p, Replicate):
+        return Result(REPLICATE, [Want(x, REPLICATE)])
+    size = ctx.shape(x)[dim]
+    if dim != p.dim or sizes_equal(size, ctx.shape(node)[dim]):
+        return Result(p, [Want(x, p)])
+    args = list(node.args) + [None] * (5 - len(node.args))
+    start, end = (_bound(args[2], size, 0), _bound(args[3], size, size)) if isinstance(size, int) else (None, None)
+    if start is None or end is None or args[4] not in (None, 1) or p.padded or p.outer or p.pieces:
+        return _fail(node, "slice along the split dim")
+    segs, ws = list(p.segments or (size,)), ctx.world_size
+    counts = list(p.seg_pieces or [ws] * len(segs))
+    bounds = [sum(segs[:k]) for k in range(len(segs) + 1)]
+    if start not in bounds or end not in bounds or start >= end:
+        return _fail(node, f"slice [{start}:{end}] along the split dim cuts through its segments {tuple(segs)}")
+    i0, i1 = bounds.index(start), bounds.index(end)
+    out = shard_of(dim, segs[i0:i1], counts[i0:i1], ws)
+    present = [i for i in (2, 3) if i < len(node.args) and isinstance(node.args[i], int)]
+    if p.seg_pieces is None:  # every segment split evenly: a boundary's local position is the global one / ws
+        return Result(out, [Want(x, p)], localize=[("split", i, dim, None) for i in present])
+    local = local_sizes(segs, counts, ws)  # segments of fewer pieces than ranks keep more of their size
+    at = {2: sum(local[:i0]), 3: sum(local[:i1])}
+    return Result(out, [Want(x, p)], localize=[("set", i, at[i], None) for i in present])
+
+
+@rule("select", args={"dim_arg": int})
+def select(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """select: removes a dim other than the split one."""
+    x, p, dim = _along(node, spec, ctx)
+    if isinstance(p, Replicate):
+        return Result(REPLICATE, [Want(x, REPLICATE)])
+    if dim == p.dim:
+        return _fail(node, "select along the split dim")
+    return Result(moved(p, p.dim - (dim < p.dim)), [Want(x, p)])
+
+
+@rule("index")
+def index(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """x[ids] (aten.index.Tensor): gathers along dims other than the split one; the positions stay whole."""
+    x, idx = node.args[0], list(node.args[1])
+    ids = [i for i in idx if isinstance(i, Node)]
+    p = ctx.placement(x)
+    if ctx.all_replicated([x, *ids]):
+        return Result(REPLICATE, [Want(n, REPLICATE) for n in [x, *ids]])
+    if not ctx.all_replicated(ids):
+        return _fail(node, "indexes with split positions", tuple(ids))
+    taken = [k for k, i in enumerate(idx) if i is not None]
+    if p.dim in taken or taken != list(range(taken[0], taken[-1] + 1)):
+        return _fail(node, f"gathers along the split dim {p.dim}", tuple(ids))
+    new = max(len(ctx.shape(i)) for i in ids)  # the positions' (broadcast) dims replace the indexed ones
+    out = p.dim if p.dim < taken[0] else p.dim - len(taken) + new
+    return Result(moved(p, out), [Want(x, p)] + [Want(i, REPLICATE) for i in ids])
