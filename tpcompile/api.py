@@ -26,6 +26,7 @@ from tpcompile.errors import TPCompileError
 from tpcompile.ops.schedule import FORWARD_COLLECTIVES, collective_op, graph_schedule
 from tpcompile.overrides import check_overrides
 from tpcompile.passes.annotate import annotate_pass
+from tpcompile.passes.comm_bucket import bucket_pass
 from tpcompile.passes.comm_inplace import inplace_pass
 from tpcompile.passes.comm_options import CommOptions, comm_options
 from tpcompile.passes.pass_context import PassContext, module_path
@@ -115,6 +116,8 @@ class ShardedModel:
             return g
         if self.comm.inplace:
             g = inplace_pass(g)  # in-place: an all-reduce of a dead temporary sums into it
+        if self.comm.bucket_bytes:
+            g = bucket_pass(g, self._ctx, self.comm.bucket_bytes)  # buckets: per-parameter gradient syncs, fused
         return g
 
     def __getitem__(self, r: int) -> GraphModule:

@@ -1,0 +1,127 @@
+"""Gradient bucketing: per-parameter syncs reduced once per bucket, in backward order, sums unchanged."""
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import tpcompile
+from tpcompile.models.gpt import GPT, GPTConfig
+from tpcompile.ops import collectives
+from tpcompile.passes.comm_bucket import META_KEY
+
+BUCKET = torch.ops.tpcompile.grad_bucket_all_reduce.default
+PER_PARAM = (torch.ops.tpcompile.grad_all_reduce.default, torch.ops.tpcompile.grad_piece_all_reduce.default)
+
+
+def _gpt(n_layer: int) -> GPT:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return GPT(GPTConfig(n_layer=n_layer)).train()
+
+
+def _shard(model: nn.Module, ws: int, comm: Any, **kw: Any) -> tpcompile.ShardedModel:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tpcompile.TPCompileWarning)
+        example = kw.pop("example_inputs") if "example_inputs" in kw else model.example_inputs()
+        return tpcompile.shard(model, ws, example_inputs=example, comm=comm, **kw)
+
+
+def _step(sm: tpcompile.ShardedModel, *args: Any, **kwargs: Any) -> tuple[list, Counter]:
+    """Per rank: output and every gradient after one backward; the backward collectives of rank 0."""
+    def one(rank: int) -> tuple:
+        gm = sm.rank(rank)
+        gm.zero_grad(set_to_none=True)
+        out = gm(*args, **kwargs)
+        out = out if isinstance(out, torch.Tensor) else out["logits"]
+        out.float().pow(2).mean().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in gm.named_parameters() if p.grad is not None}
+    with collectives.record() as events:
+        res = tpcompile.simulate_ranks(sm.world_size, one)
+    return res, Counter(e.op for e in events if e.rank == 0 and e.phase == "backward")
+
+
+def _same(got: list, want: list, tol: float = 0.0) -> None:
+    for (out, grads), (rout, rgrads) in zip(got, want):
+        assert torch.allclose(out, rout, atol=tol, rtol=0)
+        assert grads.keys() == rgrads.keys()
+        for k in grads:
+            assert torch.allclose(grads[k], rgrads[k], atol=tol, rtol=0), k
+
+
+@pytest.mark.parametrize("n_layer", [1, 3])
+def test_sequence_parallel_gradient_syncs_do_not_grow_with_blocks(n_layer: int) -> None:
+    """Under sequence parallelism the norm and row-bias gradient syncs are one bucket: 1 backward
+    all-reduce at 1 and at 3 blocks (per parameter it was 6 per block + 2); gradients unchanged."""
+    model = _gpt(n_layer)
+    ids = model.example_inputs()[0]
+    plain, bucketed = _shard(model, 2, None, sequence_parallel=True), _shard(model, 2, True, sequence_parallel=True)
+    want, plain_counts = _step(plain, ids)
+    got, counts = _step(bucketed, ids)
+    _same(got, want)
+    assert plain_counts["all_reduce"] == 6 * n_layer + 2
+    assert counts["all_reduce"] == 1
+    # the activations' backward collectives are untouched: one all-gather and reduce-scatter pair per region
+    assert counts - Counter({"all_reduce": counts["all_reduce"]}) == \
+        plain_counts - Counter({"all_reduce": plain_counts["all_reduce"]})
+    gm = bucketed.rank(0)
+    assert not any(n.target in PER_PARAM for n in gm.graph.nodes)
+    (node,) = [n for n in gm.graph.nodes if n.target is BUCKET]
+    index, nbytes, names = node.meta[META_KEY]
+    assert index == 0 and len(names) == 6 * n_layer + 2 and "transformer.ln_f.weight" in names
+    assert nbytes == 4 * sum(dict(gm.named_parameters())[n].numel() for n in names)
+
+
+def test_bucket_size_splits_in_backward_order() -> None:
+    """A 1 KB cap: several buckets, the first (index 0) holding the last-used parameters; same numerics."""
+    model = _gpt(2)
+    ids = model.example_inputs()[0]
+    small = _shard(model, 2, tpcompile.CommOptions(bucket_bytes=1024), sequence_parallel=True)
+    buckets = [n for n in small.rank(0).graph.nodes if n.target is BUCKET]
+    assert len(buckets) > 2
+    indices = [n.meta[META_KEY][0] for n in buckets]
+    assert indices == sorted(indices, reverse=True)  # graph order is the reverse of backward order
+    assert buckets[-1].meta[META_KEY][2][-1] == "transformer.ln_f.bias"
+    for n in buckets:  # each at most the cap, unless a single parameter is larger
+        assert n.meta[META_KEY][1] <= 1024 or len(n.meta[META_KEY][2]) == 1
+    got, counts = _step(small, ids)
+    want, _ = _step(_shard(model, 2, None, sequence_parallel=True), ids)
+    _same(got, want)
+    assert counts["all_reduce"] == len(buckets)
+
+
+def test_bucketing_off_keeps_per_parameter_syncs() -> None:
+    """bucket_bytes=0 leaves the per-parameter grad_all_reduce nodes as rewrite emitted them."""
+    sm = _shard(_gpt(1), 2, tpcompile.CommOptions(bucket_bytes=0), sequence_parallel=True)
+    nodes = sm.rank(0).graph.nodes
+    assert not any(n.target is BUCKET for n in nodes)
+    assert sum(n.target is PER_PARAM[0] for n in sm.rank(0).graph.nodes) == 8
+
+
+def test_shared_kv_head_pieces_are_bucketed() -> None:
+    """Llama with 2 kv heads at 4 ranks: the k/v piece gradients join one bucket; gradients unchanged."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                      max_position_embeddings=64)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    kw = {"example_kwargs": {"input_ids": ids, "use_cache": False}, "example_inputs": ()}
+    plain = _shard(model, 4, None, **dict(kw))
+    bucketed = _shard(model, 4, True, **dict(kw))
+    assert plain.plan.parameters["model.layers.0.self_attn.k_proj.weight"].pieces == 2
+    want, plain_counts = _step(plain, input_ids=ids, use_cache=False)
+    got, counts = _step(bucketed, input_ids=ids, use_cache=False)
+    _same(got, want, tol=1e-6)
+    # per block: 2 activation all-reduces stay; the k and v piece syncs (2 per block) become 1 bucket
+    assert plain_counts["all_reduce"] == 2 * 2 + 1 + 2 * 2
+    assert counts["all_reduce"] == 2 * 2 + 1 + 1
+    (node,) = [n for n in bucketed.rank(0).graph.nodes if n.target is BUCKET]
+    assert sorted(node.args[2]) == [2, 2, 2, 2]
