@@ -17,6 +17,7 @@ class Arch:
     build: Callable[..., torch.nn.Module]
     output: str
     decoder: bool = True
+    feeds: str = "tokens"  # "tokens", "seq2seq" (+ decoder_input_ids) or "audio" (input_features + decoder_input_ids)
 
 
 def _tf() -> Any:
@@ -67,8 +68,16 @@ ARCHS = [Arch("gpt2", gpt2, "logits"), Arch("llama", llama, "logits"), Arch("mis
 
 
 def inputs(arch: Arch, batch: int, length: int) -> dict:
-    """Keyword inputs for one forward: token ids, and use_cache=False for decoders."""
+    """Keyword inputs for one forward: token ids, and use_cache=False for decoders.
+
+    Encoder-decoder models get decoder_input_ids of the same length; Whisper gets mel features of the one
+    length its encoder accepts (2 * max_source_positions) and `length` decoder tokens.
+    """
     ids = torch.randint(0, 128, (batch, length))
+    if arch.feeds == "seq2seq":
+        return {"input_ids": ids, "decoder_input_ids": torch.randint(0, 128, (batch, length)), "use_cache": False}
+    if arch.feeds == "audio":
+        return {"input_features": torch.randn(batch, 16, 32), "decoder_input_ids": ids, "use_cache": False}
     if arch.decoder:
         return {"input_ids": ids, "use_cache": False}
     return {"input_ids": ids, "attention_mask": torch.ones(batch, length, dtype=torch.long)}
@@ -85,3 +94,145 @@ def qwen3(**kw: Any) -> torch.nn.Module:
     t = _tf()
     return t.Qwen3ForCausalLM(t.Qwen3Config(**{**SIZES, "intermediate_size": 128, "num_key_value_heads": 2,
                                                "head_dim": 16, **kw}))
+
+
+LLAMA_LIKE = {**SIZES, "intermediate_size": 128}
+MOE = dict(num_experts=4, num_experts_per_tok=2)
+
+
+def phi(**kw: Any) -> torch.nn.Module:
+    """Phi: parallel attention and MLP from one LayerNorm, partial rotary, biased head."""
+    t = _tf()
+    return t.PhiForCausalLM(t.PhiConfig(**{**LLAMA_LIKE, "num_key_value_heads": 4, **kw}))
+
+
+def phi3(**kw: Any) -> torch.nn.Module:
+    """Phi-3: fused qkv_proj and fused gate_up_proj."""
+    t = _tf()
+    return t.Phi3ForCausalLM(t.Phi3Config(**{**LLAMA_LIKE, "num_key_value_heads": 2, "pad_token_id": 0, **kw}))
+
+
+def falcon(**kw: Any) -> torch.nn.Module:
+    """Falcon-7B style: multi-query (one kv head) fused query_key_value, parallel attention and MLP."""
+    t = _tf()
+    c = {**SIZES, "ffn_hidden_size": 128, "multi_query": True, "parallel_attn": True,
+         "bos_token_id": 1, "eos_token_id": 2, **kw}
+    return t.FalconForCausalLM(t.FalconConfig(**c))
+
+
+def gpt_bigcode(**kw: Any) -> torch.nn.Module:
+    """GPTBigCode (SantaCoder): multi-query attention, c_attn = q | k | v with one kv head."""
+    t = _tf()
+    c = {**dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, n_inner=128,
+                multi_query=True, bos_token_id=1, eos_token_id=2), **kw}
+    return t.GPTBigCodeForCausalLM(t.GPTBigCodeConfig(**c))
+
+
+def stablelm(**kw: Any) -> torch.nn.Module:
+    """StableLM: LayerNorm, rotary on a quarter of each head."""
+    t = _tf()
+    return t.StableLmForCausalLM(t.StableLmConfig(**{**LLAMA_LIKE, "num_key_value_heads": 4, **kw}))
+
+
+def persimmon(**kw: Any) -> torch.nn.Module:
+    """Persimmon: fused query_key_value viewed per head as (q, k, v), per-head LayerNorm on q and k."""
+    t = _tf()
+    return t.PersimmonForCausalLM(t.PersimmonConfig(**{**LLAMA_LIKE, **kw}))
+
+
+def albert(**kw: Any) -> torch.nn.Module:
+    """ALBERT: factorised embedding (32 -> 64) and one layer's weights shared by both layers."""
+    t = _tf()
+    return t.AlbertModel(t.AlbertConfig(**{**SIZES, "intermediate_size": 128, "embedding_size": 32, **kw}))
+
+
+def xglm(**kw: Any) -> torch.nn.Module:
+    """XGLM: sinusoidal positions, scaled embedding, pre-LayerNorm decoder."""
+    t = _tf()
+    c = dict(num_layers=2, d_model=64, attention_heads=4, ffn_dim=128, vocab_size=128, max_position_embeddings=64)
+    return t.XGLMForCausalLM(t.XGLMConfig(**{**c, **kw}))
+
+
+def biogpt(**kw: Any) -> torch.nn.Module:
+    """BioGPT: learned positions with an offset, scaled embedding."""
+    t = _tf()
+    return t.BioGptForCausalLM(t.BioGptConfig(**{**LLAMA_LIKE, **kw}))
+
+
+def bart(**kw: Any) -> torch.nn.Module:
+    """BART: encoder-decoder with cross-attention; logits of the decoder (tied head plus final_logits_bias)."""
+    t = _tf()
+    c = dict(vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+             decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64)
+    return t.BartForConditionalGeneration(t.BartConfig(**{**c, **kw}))
+
+
+def whisper(**kw: Any) -> torch.nn.Module:
+    """Whisper: two convolutions over 16 mel bins, encoder-decoder; logits of the decoder."""
+    t = _tf()
+    c = dict(vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+             decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16,
+             max_source_positions=16, max_target_positions=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+             decoder_start_token_id=1, suppress_tokens=None, begin_suppress_tokens=None)
+    return t.WhisperForConditionalGeneration(t.WhisperConfig(**{**c, **kw}))
+
+
+def gemma3(**kw: Any) -> torch.nn.Module:
+    """Gemma 3 text: sliding and full attention layers, per-head RMSNorm on q and k, scaled tied embedding."""
+    t = _tf()
+    c = {**LLAMA_LIKE, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 8,
+         "layer_types": ["sliding_attention", "full_attention"], **kw}
+    return t.Gemma3ForCausalLM(t.Gemma3TextConfig(**c))
+
+
+def qwen2_moe(**kw: Any) -> torch.nn.Module:
+    """Qwen2-MoE: 4 experts, top 2, and a shared expert gated by a sigmoid."""
+    t = _tf()
+    c = {**LLAMA_LIKE, **MOE, "num_key_value_heads": 4, "moe_intermediate_size": 32,
+         "shared_expert_intermediate_size": 64, **kw}
+    return t.Qwen2MoeForCausalLM(t.Qwen2MoeConfig(**c))
+
+
+def olmoe(**kw: Any) -> torch.nn.Module:
+    """OLMoE: 4 experts, top 2; RMSNorm over all of q and of k (not per head)."""
+    t = _tf()
+    return t.OlmoeForCausalLM(t.OlmoeConfig(**{**SIZES, **MOE, "intermediate_size": 32, "num_key_value_heads": 4,
+                                                **kw}))
+
+
+def phimoe(**kw: Any) -> torch.nn.Module:
+    """PhiMoE: 4 experts, top 2 by sparsemixer routing, LayerNorm, biased attention projections."""
+    t = _tf()
+    c = {**SIZES, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+         "num_key_value_heads": 2, **kw}
+    return t.PhimoeForCausalLM(t.PhimoeConfig(**c))
+
+
+def deepseek_v3(**kw: Any) -> torch.nn.Module:
+    """DeepSeek-V3: multi-head latent attention (q and kv through 16-wide latents, a quarter of the width as in
+    the real model's 1536 of 7168), a dense first layer, then 4 routed experts (top 2, one group) and a shared
+    expert."""
+    t = _tf()
+    c = {**LLAMA_LIKE, "num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+         "qk_nope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+         "topk_group": 1, "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1, **kw}
+    return t.DeepseekV3ForCausalLM(t.DeepseekV3Config(**c))
+
+
+def falcon_mamba(**kw: Any) -> torch.nn.Module:
+    """Falcon-Mamba: selective state-space blocks (no attention), inner width 128."""
+    t = _tf()
+    c = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, state_size=16, time_step_rank=8,
+             conv_kernel=4, vocab_size=128, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    return t.FalconMambaForCausalLM(t.FalconMambaConfig(**{**c, **kw}))
+
+
+NEW_ARCHS = [Arch("phi", phi, "logits"), Arch("phi3", phi3, "logits"), Arch("falcon", falcon, "logits"),
+             Arch("gpt_bigcode", gpt_bigcode, "logits"), Arch("stablelm", stablelm, "logits"),
+             Arch("persimmon", persimmon, "logits"), Arch("albert", albert, "last_hidden_state", decoder=False),
+             Arch("xglm", xglm, "logits"), Arch("biogpt", biogpt, "logits"),
+             Arch("bart", bart, "logits", feeds="seq2seq"), Arch("whisper", whisper, "logits", feeds="audio"),
+             Arch("gemma3", gemma3, "logits"), Arch("qwen2_moe", qwen2_moe, "logits"), Arch("olmoe", olmoe, "logits"),
+             Arch("phimoe", phimoe, "logits"), Arch("deepseek_v3", deepseek_v3, "logits"),
+             Arch("falcon_mamba", falcon_mamba, "logits")]
+ALL_ARCHS = ARCHS + NEW_ARCHS
