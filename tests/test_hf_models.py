@@ -57,25 +57,39 @@ def test_hf_collectives_per_layer(arch, ws: int) -> None:
 
 
 @pytest.mark.parametrize("ws", [2, 4])
-def test_llama_gqa_fewer_kv_heads_than_ranks(ws: int) -> None:
-    """1 kv head at 2 and 4 ranks: k/v projections are replicated, q heads split, outputs equal."""
+def test_llama_one_kv_head_multi_query(ws: int) -> None:
+    """1 kv head at 2 and 4 ranks (multi-query, as Megatron splits it): k/v whole on every rank, q heads
+    and the output projection split, no warning, two all-reduces per block; outputs and gradients equal."""
     from hf_models import ARCHS as all_archs
     arch = next(a for a in all_archs if a.name == "llama")
     model = build(arch, num_key_value_heads=1)
-    with pytest.warns(tpcompile.TPCompileWarning) as rec:
-        sm = tpcompile.shard(model, ws, example_kwargs=inputs(arch, 2, 8))
-    text = [str(w.message) for w in rec]
-    assert len(text) == 4  # k_proj and v_proj in each of the 2 layers
-    assert any(re.search(r"at model\.layers\.0\.self_attn: reshape makes 1 head of 16; one head cannot be split "
-                         r"across \d ranks; replicating model\.layers\.0\.self_attn\.k_proj", t) for t in text)
-    assert sm.plan.modules["model.layers.0.self_attn.q_proj"] == "column"
-    assert sm.plan.modules["model.layers.0.self_attn.k_proj"] == "replicated"
+    sm = tpcompile.shard(model, ws, example_kwargs=inputs(arch, 2, 8))
+    assert not sm.plan.warnings
+    params = sm.plan.parameters
+    assert params["model.layers.0.self_attn.q_proj.weight"].local_shape == (64 // ws, 64)
+    for proj in ("k_proj", "v_proj"):  # one head of 16, whole on every rank
+        p = params[f"model.layers.0.self_attn.{proj}.weight"]
+        assert (p.pieces, p.local_shape) == (1, (16, 64))
     assert sm.plan.modules["model.layers.0.self_attn.o_proj"] == "row"
+    per_block = [path for op, path in sm.collectives() if path.startswith("model.layers.")]
+    assert sorted(per_block) == ["model.layers.0"] * 2 + ["model.layers.1"] * 2, sm.collectives()
     kw = inputs(arch, 2, 11)
     with torch.no_grad():
         ref = model(**kw).logits
         for out in tpcompile.simulate(sm, **kw):
             torch.testing.assert_close(out.logits, ref, atol=1e-4, rtol=0)
+    model.zero_grad()
+    model(**kw).logits.pow(2).mean().backward()
+    name = "model.layers.0.self_attn.k_proj.weight"
+    want = dict(model.named_parameters())[name].grad
+    ranks = [sm.rank(r) for r in range(ws)]
+
+    def grad(r: int) -> torch.Tensor:
+        ranks[r](**kw).logits.pow(2).mean().backward()
+        return dict(ranks[r].named_parameters())[name].grad
+
+    for r, got in enumerate(tpcompile.simulate_ranks(ws, grad)):  # every rank's queries' share, summed
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, msg=lambda m: f"rank {r}: {m}")
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2"])
