@@ -7,7 +7,7 @@ from torch.fx import Node
 
 from tpcompile.placement import REPLICATE, Replicate, Shard, moved
 from tpcompile.sharding_rules.registry import rule
-from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim
+from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim, sizes_equal
 from tpcompile.sharding_rules.table import RuleSpec
 
 
@@ -70,6 +70,20 @@ def along_dim(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if dim == p.dim:
         return Result(REPLICATE, [Want(x, REPLICATE)], conflict=f"needs the whole of dim {dim}, which is sharded")
     return Result(p, [Want(x, p)])
+
+
+@rule("new_sized", args={"shape_arg": int})
+def new_sized(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """x.new_empty(size) / new_zeros / new_ones / new_full: a fresh tensor whose size keeps x's split dim (the
+    same position, the same size: `x.new_empty(*x.shape[:-1], n)`, filled by slices later) is split like x,
+    its size literal per rank; any other fresh tensor is whole."""
+    x, i = node.args[0], spec.get("shape_arg")
+    p, sizes = ctx.placement(x), list(node.args[i]) if i < len(node.args) else []
+    xs = ctx.shape(x)
+    if isinstance(p, Shard) and p.plain and len(sizes) == len(xs) and p.dim < len(xs) \
+            and sizes_equal(ctx.shape(node)[p.dim], xs[p.dim]):
+        return Result(p, [Want(x, p)], localize=[("shape", i, p.dim, None)])
+    return Result(REPLICATE, [Want(x, p)])
 
 
 @rule("no_output", listed=True)
