@@ -8,6 +8,7 @@
     rewrite(r)   passes/rewrite.rewrite_pass          rank r's GraphModule (on first use)
     comm(r)      passes/comm_*.py                     with comm=: in-place all-reduces, gradient buckets
     verify(r)    passes/verify_ranks.verify_rank      lint, planned shapes, rank 0's collectives
+    lower(r)     passes/comm_lower.lower_pass         with comm=CommOptions(lower_c10d=True): _c10d_functional ops
 
 `shard()` is capture then `shard_captured()`; `ShardedModel.rank(r)` runs the last two.
 """
@@ -28,6 +29,7 @@ from tpcompile.overrides import check_overrides
 from tpcompile.passes.annotate import annotate_pass
 from tpcompile.passes.comm_bucket import bucket_pass
 from tpcompile.passes.comm_inplace import inplace_pass
+from tpcompile.passes.comm_lower import lower_pass
 from tpcompile.passes.comm_options import CommOptions, comm_options
 from tpcompile.passes.pass_context import PassContext, module_path
 from tpcompile.passes.plan import Plan, build_plan
@@ -107,6 +109,8 @@ class ShardedModel:
                     self._reference = graph_schedule(ref)
                 shapes = {name: pp.local_shape for name, pp in self.plan.parameters.items()}
                 verify_rank(gm, self._reference, r, shapes)  # verify(r): lint, planned slices, rank 0's collectives
+                if self.comm is not None and self.comm.lower_c10d:
+                    gm = lower_pass(gm)  # lower(r): _c10d_functional collectives, for torch.compile
                 self._ranks[r] = gm
             return self._ranks[r]
 

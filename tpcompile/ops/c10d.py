@@ -1,0 +1,225 @@
+"""tpcompile's collectives spelled with ``torch.ops._c10d_functional``, for torch.compile.
+
+passes/comm_lower.py replaces every ``torch.ops.tpcompile.*`` node of a rank graph with one of
+the functions below. Each is a ``torch.autograd.Function`` whose forward and backward call
+the functional collectives (``all_reduce``, ``all_gather_into_tensor``,
+``reduce_scatter_tensor``, each followed by ``wait_tensor``), with the same Megatron conjugate
+backward as the tpcompile op it replaces. Dynamo traces them, so aot_autograd's forward and
+backward graphs hold ``_c10d_functional`` nodes that inductor's communication passes
+(reordering, bucketing, overlap) understand. The group is a torch.distributed group name and
+the rank and world size are constants of the lowered graph: lowering needs an initialised
+process group and binds the graph to it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["LOWERED"]
+
+c10d = torch.ops._c10d_functional
+
+
+def _sum(x: torch.Tensor, group: str) -> torch.Tensor:
+    return c10d.wait_tensor(c10d.all_reduce(x.contiguous(), "sum", group))
+
+
+def _gather(x: torch.Tensor, dim: int, ws: int, group: str) -> torch.Tensor:
+    """Every rank's x concatenated along dim (gathered on dim 0, then laid out along dim)."""
+    moved = x.movedim(dim, 0).contiguous()
+    out = c10d.wait_tensor(c10d.all_gather_into_tensor(moved, ws, group))
+    return out.movedim(0, dim)
+
+
+def _scatter_sum(x: torch.Tensor, dim: int, ws: int, group: str) -> torch.Tensor:
+    """x summed over ranks, this rank's chunk along dim."""
+    moved = x.movedim(dim, 0).contiguous()
+    out = c10d.wait_tensor(c10d.reduce_scatter_tensor(moved, "sum", ws, group))
+    return out.movedim(0, dim)
+
+
+def _chunk(x: torch.Tensor, dim: int, rank: int, ws: int) -> torch.Tensor:
+    n = x.shape[dim] // ws
+    return x.narrow(dim, rank * n, n)
+
+
+class AllReduce(torch.autograd.Function):
+    """all_reduce (and all_reduce.inplace): sum in forward, identity in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: str) -> torch.Tensor:
+        return _sum(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return grad, None
+
+
+class GradAllReduce(torch.autograd.Function):
+    """grad_all_reduce: identity in forward, sum of the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: str) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return _sum(grad, ctx.group), None
+
+
+class AllGather(torch.autograd.Function):
+    """all_gather: gather in forward, reduce-scatter in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, rank: int, ws: int, group: str) -> torch.Tensor:
+        ctx.dim, ctx.ws, ctx.group = dim, ws, group
+        return _gather(x, dim, ws, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return _scatter_sum(grad, ctx.dim, ctx.ws, ctx.group), None, None, None, None
+
+
+class AllGatherReplicated(torch.autograd.Function):
+    """all_gather_replicated: gather in forward, this rank's chunk of the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, rank: int, ws: int, group: str) -> torch.Tensor:
+        ctx.dim, ctx.rank, ctx.ws = dim, rank, ws
+        return _gather(x, dim, ws, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return _chunk(grad, ctx.dim, ctx.rank, ctx.ws), None, None, None, None
+
+
+class ReduceScatter(torch.autograd.Function):
+    """reduce_scatter: reduce-scatter in forward, gather in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, rank: int, ws: int, group: str) -> torch.Tensor:
+        ctx.dim, ctx.ws, ctx.group = dim, ws, group
+        return _scatter_sum(x, dim, ws, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return _gather(grad, ctx.dim, ctx.ws, ctx.group), None, None, None, None
+
+
+class Scatter(torch.autograd.Function):
+    """scatter: this rank's chunk in forward (no communication), gather in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, rank: int, ws: int, group: str) -> torch.Tensor:
+        ctx.dim, ctx.ws, ctx.group = dim, ws, group
+        return _chunk(x, dim, rank, ws).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return _gather(grad, ctx.dim, ctx.ws, ctx.group), None, None, None, None
+
+
+def _piece_sum(grads: list[torch.Tensor], dims: list[int], pieces: list[int], rank: int, ws: int,
+               group: str) -> list[torch.Tensor]:
+    """Each gradient summed over the ranks sharing its piece (all ranks when pieces is 0), one all-reduce."""
+    parts, placed = [], []
+    for g, dim, p in zip(grads, dims, pieces):
+        if not p:
+            parts.append(g.reshape(-1))
+            placed.append(None)
+            continue
+        piece, size = rank // (ws // p), g.shape[dim]
+        pads = [0, 0] * (g.dim() - dim - 1) + [piece * size, (p - 1 - piece) * size]
+        parts.append(torch.nn.functional.pad(g, pads).reshape(-1))
+        placed.append((piece, size))
+    flat = _sum(torch.cat(parts), group)
+    out, at = [], 0
+    for g, part, dim, p, where in zip(grads, parts, dims, pieces, placed):
+        chunk = flat.narrow(0, at, part.numel())
+        at += part.numel()
+        if where is None:
+            out.append(chunk.view(g.shape))
+        else:
+            full = list(g.shape)
+            full[dim] = g.shape[dim] * p
+            out.append(chunk.view(full).narrow(dim, where[0] * where[1], where[1]))
+    return out
+
+
+class GradPieceAllReduce(torch.autograd.Function):
+    """grad_piece_all_reduce: identity in forward, the piece's gradient summed over its ranks in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, pieces: int, rank: int, ws: int, group: str) -> torch.Tensor:
+        ctx.args = (dim, pieces, rank, ws, group)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        dim, pieces, rank, ws, group = ctx.args
+        return _piece_sum([grad], [dim], [pieces], rank, ws, group)[0], None, None, None, None, None
+
+
+class GradBucketAllReduce(torch.autograd.Function):
+    """grad_bucket_all_reduce: identity in forward, the bucket's gradients summed with one all-reduce."""
+
+    @staticmethod
+    def forward(ctx: Any, dims: list, pieces: list, rank: int, ws: int, group: str, *xs: torch.Tensor) -> tuple:
+        ctx.args = (dims, pieces, rank, ws, group)
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        dims, pieces, rank, ws, group = ctx.args
+        return (None,) * 5 + tuple(_piece_sum(list(grads), dims, pieces, rank, ws, group))
+
+
+def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    """The sum over ranks; identity backward."""
+    return AllReduce.apply(x, group)
+
+
+def grad_all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    """x; the gradient summed in backward."""
+    return GradAllReduce.apply(x, group)
+
+
+def all_gather(x: torch.Tensor, dim: int, rank: int, ws: int, group: str) -> torch.Tensor:
+    """Every rank's x along dim; reduce-scatter backward."""
+    return AllGather.apply(x, dim, rank, ws, group)
+
+
+def all_gather_replicated(x: torch.Tensor, dim: int, rank: int, ws: int, group: str) -> torch.Tensor:
+    """Every rank's x along dim; own chunk of the gradient backward."""
+    return AllGatherReplicated.apply(x, dim, rank, ws, group)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, rank: int, ws: int, group: str) -> torch.Tensor:
+    """This rank's chunk of the sum; gather backward."""
+    return ReduceScatter.apply(x, dim, rank, ws, group)
+
+
+def scatter(x: torch.Tensor, dim: int, rank: int, ws: int, group: str) -> torch.Tensor:
+    """This rank's chunk; gather backward."""
+    return Scatter.apply(x, dim, rank, ws, group)
+
+
+def grad_piece_all_reduce(x: torch.Tensor, dim: int, pieces: int, rank: int, ws: int, group: str) -> torch.Tensor:
+    """x; its piece's gradient summed over the ranks sharing it."""
+    return GradPieceAllReduce.apply(x, dim, pieces, rank, ws, group)
+
+
+def grad_bucket_all_reduce(xs: list, dims: list, pieces: list, rank: int, ws: int, group: str) -> list:
+    """xs; their gradients summed with one all-reduce."""
+    return list(GradBucketAllReduce.apply(dims, pieces, rank, ws, group, *xs))
+
+
+# tpcompile op name -> (lowered function, whether it takes rank and world size after its own arguments)
+LOWERED = {
+    "all_reduce": (all_reduce, False), "grad_all_reduce": (grad_all_reduce, False),
+    "all_gather": (all_gather, True), "all_gather_replicated": (all_gather_replicated, True),
+    "reduce_scatter": (reduce_scatter, True), "scatter": (scatter, True),
+    "grad_piece_all_reduce": (grad_piece_all_reduce, True), "grad_bucket_all_reduce": (grad_bucket_all_reduce, True),
+}
