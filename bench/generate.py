@@ -88,14 +88,19 @@ def render(result: dict) -> str:
             lines.append(f"| {label} | {r['world_size']} | failed: {r['error']} | | | | |")
             continue
         same = "yes" if r["tokens"] == ref else "no"
+        cache = f"{r['cache_bytes_per_rank']:,}"
+        if r.get("cache_bytes_unsharded"):  # tpcompile: the same static cache unsharded, and this rank's share of it
+            share = r["cache_bytes_unsharded"] / r["cache_bytes_per_rank"]
+            cache += f" (1/{share:g} of {r['cache_bytes_unsharded']:,})"
         lines.append(f"| {label} | {r['world_size']} | {r['first_token_ms']:.1f} | {r['decode_ms']:.2f} | "
-                     f"{r['tokens_per_s']:.1f} | {r['cache_bytes_per_rank']:,} | {same} |")
+                     f"{r['tokens_per_s']:.1f} | {cache} | {same} |")
     lines += ["", "## How it is measured", "",
               "- first token: prefill of the prompt up to the first new token; decode: the median time of one "
               "step after it (tpcompile: its generator's per-step clock; Hugging Face: a streamer's timestamps); "
               "tokens/s: new tokens over the whole generate call.",
-              "- cache bytes per rank: tpcompile's static cache (prompt + new tokens, this rank's kv heads); "
-              "Hugging Face's DynamicCache after the call, this rank's part.",
+              "- cache bytes per rank: tpcompile's static cache (prompt + new tokens, this rank's kv heads), and in "
+              "brackets its share of the same cache unsharded; Hugging Face's DynamicCache after the call (one "
+              "position fewer: the last token is never fed back), this rank's part.",
               f"- machine: {result['cpus']} CPUs, load average {result['loadavg_start'][0]:.1f} at the start and "
               f"{result['loadavg_end'][0]:.1f} at the end (other work on the machine slows every contender); "
               f"torch {result['torch']}, transformers {result['transformers']}, {result['date']}.",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -91,13 +92,19 @@ def check_torchrun(arch: str, world_size: int = 2, timeout: int = 900) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
-        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
         return {"arch": arch, "runtime": f"torchrun gloo, {world_size} ranks", "same": False,
-                "error": f"exit {proc.returncode}: {tail}"}
+                "error": f"exit {proc.returncode}: {rank_error(proc.stderr)}"}
     report = json.loads(lines[-1])
     return {"arch": arch, "runtime": f"torchrun {report['backend']}, {world_size} ranks", "same": report["same"],
             "new_tokens": len(report["tokens"][0]), "cache_bytes": report["cache_bytes_per_rank"],
             "cache_bytes_unsharded": report["cache_bytes_unsharded"], "seconds": time.perf_counter() - start}
+
+
+def rank_error(stderr: str) -> str:
+    """The ranks' own error lines from a failed torchrun's stderr (its summary banner says only that a rank failed)."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception)\b", ln.split("]:")[-1].strip())]
+    return " | ".join(dict.fromkeys(errors[-3:] or lines[-3:]))
 
 
 def table(rows: list[dict]) -> str:

@@ -137,6 +137,22 @@ class RankGenerator:
         return torch.Generator(device=self._device).manual_seed(int(seed))
 
 
+# identity in forward, it communicates only in backward, which generation never runs
+_GRADIENT_MARKERS = ("tpcompile::grad_all_reduce",)
+
+
+def _for_inference(module: GraphModule) -> GraphModule:
+    """The rank graph without its gradient markers (each costs a custom-op dispatch per call, for nothing here)."""
+    markers = [n for n in module.graph.nodes if n.op == "call_function" and hasattr(n.target, "name")
+               and n.target.name() in _GRADIENT_MARKERS]
+    for node in markers:
+        node.replace_all_uses_with(node.args[0])
+        module.graph.erase_node(node)
+    if markers:
+        module.recompile()
+    return module
+
+
 class ShardedGenerator:
     """The captured model with its cache, sharded: `.rank(r)` is rank r's generator."""
 
@@ -151,7 +167,7 @@ class ShardedGenerator:
         module = self.sharded.rank(r)  # checks r
         with self._lock:
             if r not in self._ranks:
-                self._ranks[r] = RankGenerator(module, self.spec, r, self.world_size)
+                self._ranks[r] = RankGenerator(_for_inference(module), self.spec, r, self.world_size)
             return self._ranks[r]
 
     def cache_bytes(self, r: int = 0) -> int:
