@@ -6,7 +6,7 @@
     verify       passes/verify_plan.verify_pass       the slices tile every split parameter
     plan         passes/plan.build_plan               ShardedModel.plan
     rewrite(r)   passes/rewrite.rewrite_pass          rank r's GraphModule (on first use)
-    comm(r)      passes/comm_*.py                     with comm=: in-place all-reduces, gradient buckets
+    comm(r)      passes/comm_*.py                     with comm=: in-place and async all-reduces, gradient buckets
     verify(r)    passes/verify_ranks.verify_rank      lint, planned shapes, rank 0's collectives
     lower(r)     passes/comm_lower.lower_pass         with comm=CommOptions(lower_c10d=True): _c10d_functional ops
 
@@ -27,6 +27,7 @@ from tpcompile.errors import TPCompileError
 from tpcompile.ops.schedule import FORWARD_COLLECTIVES, collective_op, graph_schedule
 from tpcompile.overrides import check_overrides
 from tpcompile.passes.annotate import annotate_pass
+from tpcompile.passes.comm_async import async_pass
 from tpcompile.passes.comm_bucket import bucket_pass
 from tpcompile.passes.comm_inplace import inplace_pass
 from tpcompile.passes.comm_lower import lower_pass
@@ -120,6 +121,8 @@ class ShardedModel:
             return g
         if self.comm.inplace:
             g = inplace_pass(g)  # in-place: an all-reduce of a dead temporary sums into it
+        if self.comm.inplace and self.comm.asynchronous:
+            g = async_pass(g)  # async: those all-reduces start after their input, wait before their first reader
         if self.comm.bucket_bytes:
             g = bucket_pass(g, self._ctx, self.comm.bucket_bytes)  # buckets: per-parameter gradient syncs, fused
         return g

@@ -11,9 +11,11 @@ run a lowered graph. Each lowered node keeps `node.meta['tp_lowered']`: the op i
 """
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch.fx import GraphModule
 
+import tpcompile.ops.async_ops  # noqa: F401  (tpcompile_async.wait, which lowering drops)
 from tpcompile.errors import TPCompileError
 from tpcompile.ops.c10d import LOWERED
 from tpcompile.ops.schedule import collective_op
@@ -36,7 +38,11 @@ def _group(key: str) -> tuple[str, int, int]:
 def lower_pass(gm: GraphModule) -> GraphModule:
     """Replace each torch.ops.tpcompile collective of gm with its _c10d_functional spelling, in place."""
     groups: dict[str, tuple[str, int, int]] = {}
-    for node in gm.graph.nodes:
+    for node in list(gm.graph.nodes):
+        if node.target is torch.ops.tpcompile_async.wait.default:  # the lowered start is already the sum
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            continue
         op = collective_op(node)
         if op is None:
             continue

@@ -16,12 +16,15 @@ class CommOptions:
     inplace: an all-reduce whose input is a dead temporary sums into it (passes/comm_inplace.py).
     bucket_bytes: per-parameter gradient syncs are flattened into buckets of at most this many
     bytes and reduced once per bucket in backward (passes/comm_bucket.py); 0 turns it off.
+    asynchronous: each in-place all-reduce is split into a start right after its input and a
+    wait right before its first reader (passes/comm_async.py); needs inplace.
     lower_c10d: after the per-rank verifier, the collectives become torch.ops._c10d_functional
     calls (passes/comm_lower.py) for torch.compile; needs torch.distributed initialised.
     """
 
     inplace: bool = True
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    asynchronous: bool = False
     lower_c10d: bool = False
 
     def __post_init__(self) -> None:
