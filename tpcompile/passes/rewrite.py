@@ -62,7 +62,7 @@ class _Emitter:
         """The new-graph value of an input, redistributed to what the consuming op wants."""
         have, src = w.node.meta.get("tp_placement"), self.env[w.node]
         if isinstance(have, Partial) and not isinstance(w.placement, Partial):  # the pending sum, reduced once
-            have, src = REPLICATE, self._once(("reduce", w.node), tp.all_reduce.default, src, self.ctx.group)
+            have, src = REPLICATE, self._reduce_pending(w.node, src)
         if is_seq(have) and isinstance(w.placement, Replicate) and have.outer is not None:  # (B*T, C) tokens
             op = tp.all_gather.default if w.grad_sync else tp.all_gather_replicated.default
             if (op, w.node) not in self.cache:
@@ -84,6 +84,14 @@ class _Emitter:
         if w.grad_sync and isinstance(have, Replicate):
             return self._once(("grad_all_reduce", w.node), tp.grad_all_reduce.default, src, self.ctx.group)
         return src
+
+    def _reduce_pending(self, value: Node, src: Node) -> Node:
+        """The all-reduce of a pending sum, attributed (module path, stack) to the op that left it pending."""
+        consumer, self.current = self.current, value
+        try:
+            return self._once(("reduce", value), tp.all_reduce.default, src, self.ctx.group)
+        finally:
+            self.current = consumer
 
     def _once(self, key: tuple, target: Any, *args: Any) -> Node:
         if key not in self.cache:
