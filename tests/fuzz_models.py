@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
+from moe_models import MoE, MoEConfig
 from torch import nn
 
 
@@ -45,6 +46,12 @@ class FuzzConfig:
     literals: bool = False  # tensor literals in forward
     kwargs_forward: bool = False  # forward(idx, **kwargs) called with a bias=...
     autocast: bool = False  # captured and run under torch.autocast('cpu', bfloat16)
+    rotary: str = "none"  # none | half (rotate_half) | interleaved (stack + flatten) | complex (view_as_complex)
+    alibi: bool = False  # per-head linear bias added to the scores (manual attention), sliced by head
+    kv_repeat: str = "expand"  # expand | repeat_interleave: how kv heads are repeated for their query groups
+    qkv_form: str = "split"  # split | slice (qkv[..., :q]) | per_head (view(B, T, H, 3, D)); fused only
+    embed_proj: int = 0  # the embedding's width E when it is projected up to the model width (0: none)
+    moe: str = "none"  # none | a tests/moe_models.py layout: the feed-forward is a mixture of experts
 
     def short(self) -> str:
         """The config as one line of key=value, for failure reports."""
@@ -81,7 +88,19 @@ def fuzz_configs(draw: st.DrawFn) -> FuzzConfig:
         head_form=draw(st.sampled_from(["linear"] * 4 + ["matmul_t", "einsum"])),
         weight_read=draw(st.sampled_from(["none"] * 9 + ["norm", "row", "mean"])), inplace=_rarely(draw, 4),
         max_norm=_rarely(draw, 8), literals=_rarely(draw, 4), kwargs_forward=_rarely(draw, 4),
-        autocast=_rarely(draw, 6))
+        autocast=_rarely(draw, 6), **draw(_idioms(heads, kv_heads, width)))
+
+
+@st.composite
+def _idioms(draw: st.DrawFn, heads: int, kv_heads: int, width: int) -> dict:
+    """Position, attention, embedding and expert idioms of real models, each now and then."""
+    fused_per_head = kv_heads == heads and _rarely(draw, 4)
+    return dict(
+        rotary=draw(st.sampled_from(["none"] * 5 + ["half", "interleaved", "complex"])), alibi=_rarely(draw, 5),
+        kv_repeat=draw(st.sampled_from(["expand", "expand", "repeat_interleave"])),
+        qkv_form="per_head" if fused_per_head else draw(st.sampled_from(["split", "split", "slice"])),
+        embed_proj=draw(st.sampled_from([0] * 6 + [8, 12, 16])) if width > 8 else 0,
+        moe=draw(st.sampled_from(["none"] * 7 + ["list_dense", "list_sparse", "bmm", "einsum"])))
 
 
 def _rarely(draw: st.DrawFn, one_in: int) -> bool:
@@ -128,8 +147,17 @@ class Attention(nn.Module):
             self.k = nn.Linear(cfg.width, self.kv_dim, bias=cfg.bias)
             self.v = nn.Linear(cfg.width, self.kv_dim, bias=cfg.bias)
         self.o = nn.Linear(self.q_dim, cfg.width, bias=cfg.bias)
-        if cfg.attention == "manual":
+        if cfg.attention == "manual" or cfg.alibi:
             self.register_buffer("mask", torch.tril(torch.ones(BLOCK_SIZE, BLOCK_SIZE, dtype=torch.bool)))
+        if cfg.alibi:  # slope per head times the distance to the key, (heads, T, T)
+            slopes = 2.0 ** (-8.0 * torch.arange(1, cfg.heads + 1) / cfg.heads)
+            dist = torch.arange(BLOCK_SIZE)[None, :] - torch.arange(BLOCK_SIZE)[:, None]
+            self.register_buffer("alibi", slopes[:, None, None] * dist[None].float())
+        if cfg.rotary != "none":
+            freq = 1.0 / (10000 ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
+            angle = torch.outer(torch.arange(BLOCK_SIZE).float(), freq)  # (BLOCK_SIZE, head_dim / 2)
+            self.register_buffer("cos", angle.cos())
+            self.register_buffer("sin", angle.sin())
 
     def heads(self, t: torch.Tensor, n: int) -> torch.Tensor:
         """(B, T, n*hd) -> (B, n, T, hd), the head count written as a literal or inferred."""
@@ -137,22 +165,55 @@ class Attention(nn.Module):
         count = n if self.cfg.head_view == "literal" else -1
         return t.view(B, T, count, self.cfg.head_dim).transpose(1, 2)
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as (B, heads, T, hd): separate projections, or one fused projection cut three ways."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        if not cfg.fused_qkv:
+            return self.heads(self.q(x), cfg.heads), self.heads(self.k(x), cfg.kv_heads), self.heads(self.v(x), cfg.kv_heads)
+        qkv = self.qkv(x)
+        if cfg.qkv_form == "per_head":  # (B, T, H, 3, D): each head's q, k, v side by side
+            q, k, v = qkv.view(B, T, cfg.heads, 3, cfg.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+            return q, k, v
+        if cfg.qkv_form == "slice":
+            q, k, v = qkv[..., :self.q_dim], qkv[..., self.q_dim:self.q_dim + self.kv_dim], qkv[..., self.q_dim + self.kv_dim:]
+        else:
+            q, k, v = qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
+        return self.heads(q, cfg.heads), self.heads(k, cfg.kv_heads), self.heads(v, cfg.kv_heads)
+
+    def rotate(self, t: torch.Tensor) -> torch.Tensor:
+        """Rotary position embedding of (B, h, T, hd) in the configured form."""
+        T = t.shape[2]
+        cos, sin = self.cos[:T], self.sin[:T]
+        if self.cfg.rotary == "half":
+            x1, x2 = t.chunk(2, dim=-1)
+            return t * torch.cat([cos, cos], -1) + torch.cat([-x2, x1], -1) * torch.cat([sin, sin], -1)
+        if self.cfg.rotary == "interleaved":
+            x1, x2 = t[..., 0::2], t[..., 1::2]
+            return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).flatten(-2)
+        z = torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2))
+        return torch.view_as_real(z * torch.polar(torch.ones_like(cos), torch.atan2(sin, cos))).flatten(-2).type_as(t)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         B, T, _ = x.shape
-        if cfg.fused_qkv:
-            q, k, v = self.qkv(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
-        else:
-            q, k, v = self.q(x), self.k(x), self.v(x)
-        q, k, v = self.heads(q, cfg.heads), self.heads(k, cfg.kv_heads), self.heads(v, cfg.kv_heads)
+        q, k, v = self.project(x)
+        if cfg.rotary != "none":
+            q, k = self.rotate(q), self.rotate(k)
         if cfg.kv_heads != cfg.heads:  # repeat each kv head for its group of query heads
             rep = cfg.heads // cfg.kv_heads
-            k = k[:, :, None].expand(B, cfg.kv_heads, rep, T, cfg.head_dim).reshape(B, cfg.heads, T, cfg.head_dim)
-            v = v[:, :, None].expand(B, cfg.kv_heads, rep, T, cfg.head_dim).reshape(B, cfg.heads, T, cfg.head_dim)
-        if cfg.attention == "sdpa":
+            if cfg.kv_repeat == "repeat_interleave":
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            else:
+                shape = (B, cfg.heads, T, cfg.head_dim)
+                k = k[:, :, None].expand(B, cfg.kv_heads, rep, T, cfg.head_dim).reshape(shape)
+                v = v[:, :, None].expand(B, cfg.kv_heads, rep, T, cfg.head_dim).reshape(shape)
+        if cfg.attention == "sdpa" and not cfg.alibi:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(cfg.head_dim))  # (B, nh, T, T)
+            if cfg.alibi:
+                att = att + self.alibi[:, :T, :T]
             att = att.masked_fill(~self.mask[:T, :T], float("-inf")).softmax(dim=-1)
             y = att @ v
         return self.o(y.transpose(1, 2).reshape(B, T, self.q_dim))
@@ -182,6 +243,18 @@ class FeedForward(nn.Module):
         return self.down(activate(self.up(x), act, self.cfg.inplace))
 
 
+class FuzzMoE(nn.Module):
+    """A mixture of experts (tests/moe_models.py) on (B, T, width): 4 experts of ffn_hidden / 2, top 2."""
+
+    def __init__(self, cfg: FuzzConfig) -> None:
+        super().__init__()
+        self.moe = MoE(MoEConfig(width=cfg.width, experts=4, top_k=2, inner=max(2, cfg.ffn_hidden // 2),
+                                 layout=cfg.moe))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(x)
+
+
 class Block(nn.Module):
     """Pre-norm block, sequential (x + attn, then + ffn) or parallel (x + attn + ffn)."""
 
@@ -189,7 +262,8 @@ class Block(nn.Module):
         super().__init__()
         self.parallel, self.inplace = cfg.parallel_residual, cfg.inplace
         self.norm1, self.attn = make_norm(cfg), Attention(cfg)
-        self.norm2, self.ffn = make_norm(cfg), FeedForward(cfg)
+        self.norm2 = make_norm(cfg)
+        self.ffn = FeedForward(cfg) if cfg.moe == "none" else FuzzMoE(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel:
@@ -206,17 +280,18 @@ class FuzzLM(nn.Module):
     def __init__(self, cfg: FuzzConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab, cfg.width, max_norm=1.0 if cfg.max_norm else None)
+        self.embed = nn.Embedding(cfg.vocab, cfg.embed_proj or cfg.width, max_norm=1.0 if cfg.max_norm else None)
+        self.embed_up = nn.Linear(cfg.embed_proj, cfg.width, bias=cfg.bias) if cfg.embed_proj else None
         self.pos = nn.Embedding(BLOCK_SIZE, cfg.width) if cfg.positions else None
         self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.depth)])
         self.norm = make_norm(cfg)
         self.head = nn.Linear(cfg.width, cfg.vocab, bias=False)
-        if cfg.tied:
+        if cfg.tied and not cfg.embed_proj:
             self.head.weight = self.embed.weight
 
     def forward(self, idx: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        x = self.embed(idx)  # (B, T, width)
+        x = self.embed(idx) if self.embed_up is None else self.embed_up(self.embed(idx))  # (B, T, width)
         if "bias" in kwargs:
             x = x + kwargs["bias"]
         if self.pos is not None:
@@ -227,7 +302,7 @@ class FuzzLM(nn.Module):
             x = block(x)
         x = x + self.read_weight()
         h = self.norm(x)
-        w = self.embed.weight if cfg.tied else self.head.weight
+        w = self.embed.weight if cfg.tied and not cfg.embed_proj else self.head.weight
         if cfg.head_form == "matmul_t":
             return h @ w.t()
         if cfg.head_form == "einsum":
@@ -237,6 +312,8 @@ class FuzzLM(nn.Module):
     def read_weight(self) -> torch.Tensor:
         """A (width,) vector read off a weight outside its Linear: a norm, a row, a mean (or 0)."""
         ffn = self.blocks[0].ffn
+        if self.cfg.moe != "none" or self.cfg.weight_read == "none":
+            return torch.zeros(self.cfg.width)
         w = ffn.gate_up.weight if self.cfg.ffn == "gated_fused" else ffn.up.weight  # (hidden, width)
         if self.cfg.weight_read == "norm":
             return w.pow(2).sum() * 1e-3 * torch.ones(self.cfg.width)
