@@ -121,10 +121,11 @@ def falcon(**kw: Any) -> torch.nn.Module:
 
 
 def gpt_bigcode(**kw: Any) -> torch.nn.Module:
-    """GPTBigCode (SantaCoder): multi-query attention, c_attn = q | k | v with one kv head."""
+    """GPTBigCode (SantaCoder): multi-query attention, c_attn = q | k | v with one kv head (whole on every
+    rank); the MLP 4x as wide as the model, as in GPT-2."""
     t = _tf()
-    c = {**dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, n_inner=128,
-                multi_query=True, bos_token_id=1, eos_token_id=2), **kw}
+    c = {**dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, multi_query=True,
+                bos_token_id=1, eos_token_id=2), **kw}
     return t.GPTBigCodeForCausalLM(t.GPTBigCodeConfig(**c))
 
 
@@ -141,9 +142,10 @@ def persimmon(**kw: Any) -> torch.nn.Module:
 
 
 def albert(**kw: Any) -> torch.nn.Module:
-    """ALBERT: factorised embedding (32 -> 64) and one layer's weights shared by both layers."""
+    """ALBERT: factorised embedding (16 -> 64, about ALBERT-base's 128 -> 768) and one layer's weights shared by
+    both layers; an MLP 4x as wide as the model, as in ALBERT."""
     t = _tf()
-    return t.AlbertModel(t.AlbertConfig(**{**SIZES, "intermediate_size": 128, "embedding_size": 32, **kw}))
+    return t.AlbertModel(t.AlbertConfig(**{**SIZES, "intermediate_size": 256, "embedding_size": 16, **kw}))
 
 
 def xglm(**kw: Any) -> torch.nn.Module:
@@ -168,10 +170,11 @@ def bart(**kw: Any) -> torch.nn.Module:
 
 
 def whisper(**kw: Any) -> torch.nn.Module:
-    """Whisper: two convolutions over 16 mel bins, encoder-decoder; logits of the decoder."""
+    """Whisper: two convolutions over 16 mel bins, encoder-decoder, MLPs 4x as wide as the model (as in
+    Whisper); logits of the decoder."""
     t = _tf()
     c = dict(vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-             decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16,
+             decoder_attention_heads=4, encoder_ffn_dim=256, decoder_ffn_dim=256, num_mel_bins=16,
              max_source_positions=16, max_target_positions=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
              decoder_start_token_id=1, suppress_tokens=None, begin_suppress_tokens=None)
     return t.WhisperForConditionalGeneration(t.WhisperConfig(**{**c, **kw}))

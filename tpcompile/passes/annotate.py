@@ -21,10 +21,17 @@ def annotate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Write node.meta['tp_rule'] (the op table row, None when the op has none) on every op."""
     ctx.tensors = dict(gm.named_parameters(remove_duplicate=False))
     ctx.tensors.update(dict(gm.named_buffers(remove_duplicate=False)))
+    for node in gm.graph.nodes:  # first the picks by constant positions: fused projections are cut by them
+        spec = lookup(node.target) if node.op == "call_function" else None
+        if spec is not None and spec.rule == "index":
+            positions = _constant_positions(gm, node)
+            node.meta["tp_rule"] = RuleSpec(spec.rule, {**spec.args, "positions": positions}) if positions else spec
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         spec = lookup(node.target)
+        if spec is not None and spec.rule == "index":
+            continue
         if spec is not None and spec.rule == "weight_matmul":
             segments, parts = _segment_parts(node) or (None, [node])
             heads = _heads(parts, segments or (_last_dim(node),))
@@ -48,6 +55,23 @@ def _contraction(node: Node, ctx: PassContext) -> Optional[RuleSpec]:
         return None  # a plain parameter read elsewhere too (a tied head): read as the other ops cut it
     return RuleSpec("weight_contract", {"act": act, "weight": weight, "view": view, "equation": eq,
                                         "owner": owner_path(view.param.target), "segments": _segment_hint(node)})
+
+
+def _constant_positions(gm: GraphModule, node: Node) -> Optional[tuple[int, ...]]:
+    """The positions of `x[..., [i, j], ...]` (one small constant index tensor, lifted by torch.export), if so."""
+    ids = [i for i in node.args[1] if i is not None] if len(node.args) > 1 else []
+    src = ids[0] if len(ids) == 1 and isinstance(ids[0], Node) else None
+    while isinstance(src, Node) and src.op == "call_function" and src.target in _COPIES:
+        src = src.args[0]
+    t = gm
+    for part in src.target.split(".") if isinstance(src, Node) and src.op == "get_attr" else [""]:
+        t = getattr(t, part, None) if part else None
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() > 64 or t.is_floating_point():
+        return None
+    return tuple(int(v) for v in t.tolist())
+
+
+_COPIES = (torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.clone.default, torch.ops.aten.detach.default)
 
 
 def _owner(node: Node, spec: RuleSpec, ctx: PassContext) -> Optional[str]:
@@ -149,6 +173,10 @@ def _heads(parts: list[Optional[Node]], segments: tuple) -> Optional[tuple[Optio
 
 def _head_size(value: Node, width: int) -> Optional[int]:
     """d for the first reshape after `value` (through elementwise ops and transposes) to (..., h, d), h * d == width."""
+    val = value.meta.get("val")
+    if isinstance(val, torch.Tensor) and val.dim() >= 2 and all(isinstance(v, int) for v in val.shape[-2:]) \
+            and val.shape[-2] * val.shape[-1] == width:  # a part cut from (.., heads, d) along the heads
+        return int(val.shape[-1])
     todo, seen = [value], set()
     while todo and len(seen) < 12:
         n = todo.pop(0)
@@ -186,6 +214,9 @@ def _segment_parts(node: Node) -> Optional[tuple[tuple[int, ...], list[Optional[
                 stacked = _stacked_segments(u, width)
                 if stacked:
                     return stacked, [None] * len(stacked)
+                headed = _head_parts(u, width)
+                if headed:
+                    return headed
         sliced = _sliced_segments(cur, width)
         if sliced:
             return sliced
@@ -197,3 +228,34 @@ def _segment_parts(node: Node) -> Optional[tuple[tuple[int, ...], list[Optional[
             return None
         cur = nxt
     return None
+
+
+def _head_parts(reshape: Node, width: int) -> Optional[tuple[tuple[int, ...], list[Optional[Node]]]]:
+    """(.., width) viewed as (.., n, d) and cut along n into runs of whole heads by slices and constant picks
+    (Falcon's multi-query `qkv[..., :-2, :]`, `qkv[..., [-2], :]`, `qkv[..., [-1], :]`): each run's width in
+    features, and the value holding it."""
+    shape = reshape.meta["val"].shape
+    if len(shape) < 2 or not all(isinstance(v, int) for v in shape[-2:]) or shape[-2] * shape[-1] != width:
+        return None
+    n, d, dim = int(shape[-2]), int(shape[-1]), len(shape) - 2
+    runs: dict[tuple[int, int], Node] = {}
+    for u in reshape.users:
+        if u.target is torch.ops.aten.slice.Tensor and len(u.args) > 1 and u.args[1] % len(shape) == dim:
+            args = list(u.args) + [None] * (5 - len(u.args))
+            ends = [0 if args[2] is None else args[2], n if args[3] is None else args[3]]
+            if args[4] not in (None, 1) or not all(isinstance(e, int) for e in ends):
+                return None
+            runs[tuple(min(n, e + n if e < 0 else e) for e in ends)] = u
+        elif u.target is torch.ops.aten.index.Tensor and [i is None for i in u.args[1]] == [True] * dim + [False]:
+            pos = (u.meta.get("tp_rule") or RuleSpec("index", {})).get("positions")
+            at = sorted({p % n for p in pos}) if pos else []
+            if not at or at != list(range(at[0], at[-1] + 1)):
+                return None
+            runs[(at[0], at[-1] + 1)] = u
+        else:
+            return None
+    bounds = sorted(runs)
+    if len(bounds) < 2 or bounds[0][0] != 0 or bounds[-1][1] != n or any(a[1] != b[0] for a, b in zip(bounds,
+                                                                                                   bounds[1:])):
+        return None
+    return tuple((b - a) * d for a, b in bounds), [runs[b] for b in bounds]

@@ -162,7 +162,7 @@ class Sweep:
         if downstream:
             self.tainted.add(node)
         if why and not downstream:
-            blamed = frozenset().union(*(self.origins.get(b, frozenset()) for b in blame)) if blame else src
+            blamed = _upstream(frozenset().union(*(self.origins.get(b, frozenset()) for b in blame)) if blame else src)
             if res.regroup and blamed and not any(o in self.ctx.pieces for o in blamed):
                 self.regroups.append((blamed, res.regroup))  # split into fewer pieces instead
                 self.tainted.add(node)
@@ -194,10 +194,14 @@ class Sweep:
             self.origins[node] = src | (frozenset([node]) if res.role in SEED_ROLES else frozenset())
 
     def settle_parameters(self) -> None:
-        """One slice per parameter; a parameter used both split and whole blames its split users."""
+        """One slice per parameter; a parameter used both split and whole blames its split users (in a round
+        with no other conflict; until then it is whole)."""
         self.ctx.param_slices, self.ctx.param_seeds = {}, {}
+        # This round's other conflicts change what reaches a parameter's users (a weight shared by layers,
+        # first reached while the residual stream is still split): a disagreement is judged once they are gone.
+        progress = self.regroups or any(o not in self.ctx.demoted for origins, _ in self.conflicts for o in origins)
         for target, by_slice in self.requests.items():
-            if len(by_slice) > 1:
+            if len(by_slice) > 1 and not progress:
                 users = frozenset().union(*(s for sl, s in by_slice.items() if sl is not None))
                 self.conflicts.append((users, f"parameter {target} is used both split and whole"))
             sl = next(iter(by_slice)) if len(by_slice) == 1 else None
@@ -209,6 +213,25 @@ class Sweep:
                 seeds = self.ctx.param_seeds.get(node.target, frozenset())
                 if any(u not in seeds for u in node.users):
                     self.unsettled[node.target] = seeds or self.assumed_seeds.get(node.target, frozenset())
+
+
+def _upstream(seeds: frozenset) -> frozenset:
+    """The seeds no other of them feeds: a split downstream of another blamed one may only be a consequence of
+    it (a projection into the residual stream makes the next layer's q/k/v row splits, so its output
+    projection a column split) and is judged again once that one is whole."""
+    if len(seeds) < 2:
+        return seeds
+    keep = set()
+    for seed in seeds:
+        todo, seen = list(seed.all_input_nodes), set()
+        while todo and not (seen & seeds):  # the seed's ancestors, until another seed is among them
+            n = todo.pop()
+            if n not in seen:
+                seen.add(n)
+                todo += n.all_input_nodes
+        if not seen & seeds:
+            keep.add(seed)
+    return frozenset(keep) or seeds
 
 
 def _weight_args(node: Node) -> set:

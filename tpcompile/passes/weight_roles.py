@@ -1,9 +1,12 @@
-"""Weight ops kept whole by design, found by annotate before propagation: routers and low-rank down-projections.
+"""Weight ops kept whole by design, found by annotate before propagation: routers, low-rank down-projections
+and embedding projections.
 
-Megatron, vLLM and DeepSpeed keep both whole on every rank: a mixture of experts' router (its output
-is one score per expert, and the top-k choice needs them all), and the narrow projection of a
+Megatron, vLLM and DeepSpeed keep these whole on every rank: a mixture of experts' router (its output
+is one score per expert, and the top-k choice needs them all), the narrow projection of a
 low-rank pair (LoRA's A, MLA's q_a / kv_a in DeepSeek), whose widening partner is split instead
-with no communication between them. The reason is a note in the plan, not a warning.
+with no communication between them, and the projection of the embeddings to the model's width
+(OPT's project_in, ALBERT's embedding_hidden_mapping_in), whose output is the residual stream every
+layer reads whole. The reason is a note in the plan, not a warning.
 """
 from __future__ import annotations
 
@@ -27,9 +30,12 @@ _SCORES = {"pointwise", "reshape", "along_dim", "softmax", "expand", "transpose"
 
 
 def mark_kept_whole(gm: GraphModule, ctx: PassContext) -> None:
-    """Mark routers (`router`) and low-rank pairs (`low_rank` on the narrow one, `low_rank_from` on the wide one)."""
+    """Mark routers (`router`), low-rank pairs (`low_rank` on the narrow one, `low_rank_from` on the wide one)
+    and embedding projections (`embedding_projection`)."""
     for node in _routers(gm, ctx):
         node.meta["tp_rule"] = RuleSpec("weight_matmul", {**node.meta["tp_rule"].args, "router": True})
+    for node in _embedding_projections(gm, ctx):
+        node.meta["tp_rule"] = RuleSpec("weight_matmul", {**node.meta["tp_rule"].args, "embedding_projection": True})
     for down, up in _low_rank_pairs(gm, ctx):
         down.meta["tp_rule"] = RuleSpec("weight_matmul", {**down.meta["tp_rule"].args, "low_rank": "down"})
         up.meta["tp_rule"] = RuleSpec("weight_matmul", {**up.meta["tp_rule"].args, "low_rank_from": down})
@@ -140,4 +146,67 @@ def _selects_inside(node: Node, gm: GraphModule, width: int) -> bool:
         sub = getattr(gm, a.target, None) if isinstance(a, Node) and a.op == "get_attr" else None
         if isinstance(sub, GraphModule) and any(_selects(n, width) for n in sub.graph.nodes if n.op == "call_function"):
             return True
+    return False
+
+
+_STREAM = {"pointwise", "norm", "reshape"}  # between the embeddings and their projection, and along the stream
+
+
+def _embedding_projections(gm: GraphModule, ctx: PassContext) -> list[Node]:
+    """Weight matmuls fed by embedding lookups alone (through elementwise ops and norms, no other weight op)
+    whose output is a residual stream: through elementwise ops it is added to a value computed from it by
+    other ops (the first layer's output). The first layer's q/k/v and MLP, also fed by the embeddings, are
+    not: their outputs are reshaped into heads or activated, never added back."""
+    out = []
+    for node in gm.graph.nodes:
+        if weight_sizes(node, ctx) is None or not _from_embeddings(node.args[node.meta["tp_rule"].get("input")]):
+            continue
+        stream, todo = set(), [node]
+        while todo and len(stream) < 16:  # the value and what elementwise ops make of it
+            n = todo.pop()
+            if n not in stream:
+                stream.add(n)
+                todo += [u for u in n.users if _rule(u) == "pointwise"]
+        if any(_adds_back(a, stream) for a in stream if a.target is torch.ops.aten.add.Tensor):
+            out.append(node)
+    return out
+
+
+def _rule(node: Node) -> Optional[str]:
+    spec = lookup(node.target) if node.op == "call_function" else None
+    return spec.rule if spec is not None else None
+
+
+def _from_embeddings(value: object, limit: int = 32) -> bool:
+    """True when `value` is computed from embedding lookups (at least one), parameters and constants alone,
+    through elementwise ops, norms and reshapes."""
+    todo, seen, found = [value], set(), False
+    while todo:
+        n = todo.pop()
+        if not isinstance(n, Node) or n in seen or n.op == "get_attr":
+            continue
+        seen.add(n)
+        rule = _rule(n)
+        if rule == "embedding":
+            found = True
+        elif rule not in _STREAM or len(seen) > limit:
+            return False  # a placeholder, a weight op, attention: not the embeddings alone
+        else:
+            todo += n.all_input_nodes
+    return found
+
+
+def _adds_back(add: Node, stream: set, limit: int = 256) -> bool:
+    """True when one operand of `add` is computed from the stream by ops that are not elementwise."""
+    for other in add.all_input_nodes:
+        if other in stream:
+            continue
+        todo, seen = [other], set()
+        while todo and len(seen) < limit:
+            n = todo.pop()
+            if n in stream:
+                return True
+            if n not in seen:
+                seen.add(n)
+                todo += n.all_input_nodes
     return False

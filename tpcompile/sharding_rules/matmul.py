@@ -89,6 +89,8 @@ def _keep_whole(spec: RuleSpec) -> Optional[str]:
     """Why a low-rank projection with a whole input stays whole (annotate pairs them), or None."""
     if spec.get("router"):
         return "router: whole on every rank (its top-k choice needs every expert's score)"
+    if spec.get("embedding_projection"):
+        return "embedding projection: whole on every rank (its output is the residual stream the layers read whole)"
     if spec.get("low_rank") == "down":
         return "low-rank down-projection: whole on every rank (its up-projection is split instead)"
     partner = spec.get("low_rank_from")
@@ -195,14 +197,18 @@ def sdpa(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if ctx.all_replicated(tensors):
         return Result(REPLICATE, [Want(n, REPLICATE) for n in tensors])
     target = Shard(1)
+    one = [n for n in (k, v) if ctx.shape(n)[1] == 1 and ctx.placement(n) in (REPLICATE, Shard(1, pieces=1))]
     for n in tensors:
         p = ctx.placement(n)
-        if isinstance(p, Shard) and p != target:
+        if isinstance(p, Shard) and p != target and n not in one:
             return Result(REPLICATE, [Want(n, REPLICATE) for n in tensors], blame=[n],
                           conflict=f"attention input sharded as {p}, expected whole heads (dim 1)")
     wants = []
     for n in (q, k, v):
         heads = ctx.shape(n)[1]
+        if n in one:  # one key / value head broadcast over every query head (multi-query): whole on each rank
+            wants.append(Want(n, ctx.placement(n)) if ctx.placement(n) != REPLICATE else ctx.replicated_want(n, target))
+            continue
         if isinstance(ctx.placement(n), Replicate) and heads % ctx.world_size:
             return Result(REPLICATE, [Want(m, REPLICATE) for m in tensors],
                           conflict=f"{heads} heads not divisible by world size {ctx.world_size}")

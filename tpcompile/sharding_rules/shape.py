@@ -92,6 +92,11 @@ def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: i
             q, pre = prod(outs_g[u + 1:]), prod(outs_g[:u])
             if size == 1 or not isinstance(q, int) or any(f % q for f in blocks):
                 continue
+            if p.seg_pieces is not None:  # segments in fewer pieces than ranks (MQA's kv): one run of them, as is
+                one = [f // q for f in blocks]
+                if sizes_equal(pre, count) and size == sum(one) and not any(s % g for s, g in zip(one, p.seg_pieces)):
+                    return shard_of(gj[u], one, p.seg_pieces, ws), ""
+                continue
             one = _period([f // q for f in blocks])
             k = len(blocks) // len(one)  # repetitions inside one run of blocks
             m = _exact(sympy.sympify(size) / sum(one))  # runs folded into this dim
@@ -165,7 +170,10 @@ def reshape(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return _fail(node, f"reshape makes 1 head of {outs[out.dim]}; one head cannot be split "
                            f"across {ctx.world_size} ranks")
     res = Result(out, [Want(x, p)])
-    if spec.get("shape_arg") is not None:
+    if spec.get("shape_arg") is not None and out.seg_pieces is not None:
+        local = sum(local_sizes(out.segments, out.seg_pieces, ctx.world_size))
+        res.localize = [("shape_set", spec.get("shape_arg"), (out.dim, local), None)]
+    elif spec.get("shape_arg") is not None:
         res.localize = [("shape", spec.get("shape_arg"), out.dim, out.pieces)]
     elif spec.get("sizes_arg") is not None:  # unflatten: sizes of the dims that replace `dim`
         first = norm_dim(node.args[spec.get("dim_arg")], len(ctx.shape(x)))

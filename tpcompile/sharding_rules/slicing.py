@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Replicate, local_sizes, moved, shard_of
+from tpcompile.placement import REPLICATE, Replicate, Shard, local_sizes, moved, shard_of
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim, sizes_equal
 from tpcompile.sharding_rules.table import RuleSpec
@@ -90,8 +90,24 @@ def index(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if not ctx.all_replicated(ids):
         return _fail(node, "indexes with split positions", tuple(ids))
     taken = [k for k, i in enumerate(idx) if i is not None]
+    if taken == [p.dim] and spec.get("positions") and _whole_pick(p, spec.get("positions"), ctx.shape(x)[p.dim]):
+        return Result(Shard(p.dim, pieces=1), [Want(x, p)] + [Want(i, REPLICATE) for i in ids])
     if p.dim in taken or taken != list(range(taken[0], taken[-1] + 1)):
         return _fail(node, f"gathers along the split dim {p.dim}", tuple(ids))
     new = max(len(ctx.shape(i)) for i in ids)  # the positions' (broadcast) dims replace the indexed ones
     out = p.dim if p.dim < taken[0] else p.dim - len(taken) + new
     return Result(moved(p, out), [Want(x, p)] + [Want(i, REPLICATE) for i in ids])
+
+
+def _whole_pick(p: Shard, positions: tuple, size: Any) -> bool:
+    """True when constant `positions` along the split dim lie in one segment whole on every rank, and every
+    segment between it and the end they count from is whole too, so they are the same positions locally
+    (Falcon's multi-query `qkv[..., [-2], :]` picks its one key head)."""
+    if not isinstance(size, int) or not p.segments or not p.seg_pieces or len(set(q < 0 for q in positions)) != 1:
+        return False
+    bounds = [sum(p.segments[:k]) for k in range(len(p.segments) + 1)]
+    at = {next(k for k in range(len(p.segments)) if bounds[k] <= q % size < bounds[k + 1]) for q in positions}
+    if len(at) != 1:
+        return False
+    i = at.pop()
+    return all(g == 1 for g in (p.seg_pieces[i:] if positions[0] < 0 else p.seg_pieces[:i + 1]))
