@@ -1,5 +1,6 @@
 """Comm lowering: a rank graph whose collectives are _c10d_functional ops compiles with inductor, forward
-and backward, equal to the eager rank graph; inductor's graphs hold the functional collectives."""
+and backward, equal to the eager rank graph; inductor's graphs hold the functional collectives. The same
+gloo processes check the asynchronous all-reduces on real work handles."""
 from __future__ import annotations
 
 import time
@@ -59,7 +60,18 @@ def _compiled_rank(rank: int, sequence_parallel: bool) -> dict:
     start = time.perf_counter()
     out, grads = step(gm, compiled)
     first = time.perf_counter() - start
+    torch._dynamo.reset()
+    with warnings.catch_warnings():  # the asynchronous all-reduces on real gloo work handles, eager
+        warnings.simplefilter("ignore", tpcompile.TPCompileWarning)
+        overlapped = tpcompile.shard(model, 2, example_inputs=(ids,),
+                                     comm=tpcompile.CommOptions(asynchronous=True)).rank(rank)
+        synchronous = tpcompile.shard(model, 2, example_inputs=(ids,)).rank(rank)
+    starts = sum(n.target is torch.ops.tpcompile.all_reduce.start for n in overlapped.graph.nodes)
+    (a_out, a_grads), (s_out, s_grads) = step(overlapped), step(synchronous)
     return {
+        "async_starts": starts,
+        "async_diff": max([float((a_out - s_out).abs().max())] + [float((a_grads[k] - g).abs().max())
+                                                                  for k, g in s_grads.items()]),
         "lowered_ops": dict(lowered_ops), "left": left, "inductor_graphs": seen, "compile_s": first,
         "eager_lowered_diff": max([float((eager_lowered[0] - ref_out).abs().max())]
                                   + [float((eager_lowered[1][k] - g).abs().max()) for k, g in ref_grads.items()]),
@@ -91,6 +103,9 @@ def test_inductor_compiles_lowered_rank_forward_and_backward() -> None:
         assert graphs[0].get("reduce_scatter_tensor", 0) >= 2 and graphs[0].get("all_gather_into_tensor", 0) >= 2
         assert any(g.get("all_reduce", 0) >= 1 for g in graphs[1:])  # the bucket's one all-reduce, in backward
         assert all(g.get("wait_tensor", 0) >= 1 for g in graphs)
+        # and without sequence parallelism, the async all-reduces (gloo work handles) change nothing
+        assert res["async_starts"] == 3  # the embedding's and the two row splits' sums
+        assert res["async_diff"] == 0.0, f"rank {r}: async vs synchronous {res['async_diff']}"
 
 
 def test_lowering_refuses_simulated_ranks() -> None:
