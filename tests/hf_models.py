@@ -122,9 +122,10 @@ def falcon(**kw: Any) -> torch.nn.Module:
 
 def gpt_bigcode(**kw: Any) -> torch.nn.Module:
     """GPTBigCode (SantaCoder): multi-query attention, c_attn = q | k | v with one kv head (whole on every
-    rank); the MLP 4x as wide as the model, as in GPT-2."""
+    rank); 8 query heads of 8 (SantaCoder has 16, StarCoder 48: the one kv head is a small part of attention),
+    the MLP 4x as wide as the model, as in GPT-2."""
     t = _tf()
-    c = {**dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, multi_query=True,
+    c = {**dict(n_layer=2, n_embd=64, n_head=8, vocab_size=128, n_positions=64, multi_query=True,
                 bos_token_id=1, eos_token_id=2), **kw}
     return t.GPTBigCodeForCausalLM(t.GPTBigCodeConfig(**c))
 

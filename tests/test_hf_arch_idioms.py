@@ -2,7 +2,8 @@
 keys assembled in a fresh tensor from split heads and a part shared by all heads (DeepSeek's multi-head latent
 attention: `k.new_empty(...)`, then `copy_` into slices of it); one layer's weights applied twice behind a
 projection into the residual stream (ALBERT); a fused multi-query projection viewed as heads and cut along
-them by a slice and constant picks, its one key head broadcast by attention (Falcon).
+them by a slice and constant picks, its one key head broadcast by attention (Falcon); two convolutions split by
+channels, column then row (Whisper's encoder stem).
 
 Each model shards at world sizes 2 and 4 without a warning, every rank equals the original on another batch
 and length, and each rank holds the part of the parameters the split gives.
@@ -178,6 +179,40 @@ def test_multi_query_heads_cut_from_a_viewed_projection(ws: int) -> None:
     assert (p.role, p.segments, p.local_shape) == ("column", (64, 8, 8), (64 // ws + 16, 64))
     assert sm.plan.modules["o"] == "row"
     x = torch.randn(3, 11, 64)
+    with torch.no_grad():
+        ref = model(x)
+        for r, out in enumerate(tpcompile.simulate(sm, x)):
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=0, msg=lambda m: f"rank {r}: {m}")
+
+
+class ConvStem(nn.Module):
+    """Whisper's encoder stem: conv1d (8 -> 32 channels) -> GELU -> conv1d (32 -> 32, stride 2) -> GELU, then
+    the channels become features of a linear layer; `bias=False` leaves the second convolution's sum pending."""
+
+    def __init__(self, *, bias: bool = True) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv1d(8, 32, 3, padding=1)
+        self.conv2 = nn.Conv1d(32, 32, 3, stride=2, padding=1, bias=bias)
+        self.out = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.conv2(F.gelu(self.conv1(x))))
+        return self.out(h.transpose(1, 2))
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+@pytest.mark.parametrize("bias", [True, False])
+def test_convolutions_split_by_channels(ws: int, bias: bool) -> None:
+    """The first convolution is a column split by output channels, the second a row split by input channels
+    (one all-reduce, the bias added once after it); every rank equals the original on another input size."""
+    torch.manual_seed(0)
+    model = ConvStem(bias=bias).eval()
+    sm = _shard(model, ws, torch.randn(2, 8, 12))
+    assert {m: sm.plan.modules[m] for m in ("conv1", "conv2")} == {"conv1": "column", "conv2": "row"}
+    assert sm.plan.parameters["conv1.weight"].local_shape[0] == 32 // ws
+    assert sm.plan.parameters["conv2.weight"].local_shape[1] == 32 // ws
+    assert [op for op, _ in sm.collectives()].count("all_reduce") == 1
+    x = torch.randn(3, 8, 17)
     with torch.no_grad():
         ref = model(x)
         for r, out in enumerate(tpcompile.simulate(sm, x)):

@@ -37,7 +37,7 @@ def annotate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
             heads = _heads(parts, segments or (_last_dim(node),))
             if segments or heads:
                 spec = RuleSpec(spec.rule, {**spec.args, "segments": segments, "heads": heads})
-        if spec is not None and spec.rule in ("weight_matmul", "embedding"):
+        if spec is not None and spec.rule in ("weight_matmul", "weight_conv", "embedding"):
             spec = RuleSpec(spec.rule, {**spec.args, "owner": _owner(node, spec, ctx)})
         node.meta["tp_rule"] = _contraction(node, ctx) or spec
     mark_kept_whole(gm, ctx)

@@ -226,14 +226,18 @@ def _emit_row(em: _Emitter, node: Node, lookup: Callable[[Node], Node]) -> Node:
     x, w = lookup(node.args[spec.get("input")]), lookup(node.args[spec.get("weight")])
     bi = spec.get("bias")
     bias = node.args[bi] if bi is not None and bi < len(node.args) else None
-    # the same matmul without its bias (addmm's bias goes, leaving mm)
-    y = em.call(aten.mm.default if node.target is aten.addmm.default else node.target, x, w)
+    # the same matmul without its bias (addmm's bias goes, leaving mm); a convolution keeps its other arguments
+    conv = spec.rule == "weight_conv"
+    rest = (None, *node.args[bi + 1:]) if conv else ()
+    y = em.call(aten.mm.default if node.target is aten.addmm.default else node.target, x, w, *rest)
     y = _reduce(em, node, y)
     if not isinstance(bias, Node):
         return y
     b, out = lookup(bias), node.meta.get("val")
     if isinstance(out, torch.Tensor) and out.dtype != bias.meta["val"].dtype:  # autocast cast the fused bias too
         b = em.call(aten._to_copy.default, b, dtype=out.dtype)
+    if conv:  # (C,) added to (B, C, *spatial)
+        b = em.call(aten.view.default, b, [-1] + [1] * (out.dim() - 2))
     return em.call(aten.add.Tensor, y, b)
 
 

@@ -18,7 +18,7 @@ from tpcompile.placement import REPLICATE, ParamSlice, Shard, is_seq, slice_plac
 from tpcompile.sharding_rules.partial import partial_result
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, weight_view
 
-SEED_RULES = ("weight_matmul", "embedding", "weight_contract")  # the ops that hold the weights a split starts from
+SEED_RULES = ("weight_matmul", "weight_conv", "embedding", "weight_contract")  # the ops that hold the weights a split starts from
 WRITE_RULES = ("write_into",)  # in-place writes into a buffer, which they cut like the value written
 SEED_ROLES = ("column", "vocab")  # the roles that start a split (a row split ends one)
 _INPUT_LIKE = ("reshape", "pointwise", "expand")  # ops that keep a model input a model input
@@ -244,7 +244,7 @@ def _weight_args(node: Node) -> set:
         return set()
     if spec.get("view") is not None:  # a parameter viewed through transposes / a gather by expert ids
         return {spec.get("view").param, *spec.get("view").nodes}
-    positions = [spec.get("weight"), spec.get("bias")] if spec.rule == "weight_matmul" else [0]
+    positions = [spec.get("weight"), spec.get("bias")] if spec.rule in ("weight_matmul", "weight_conv") else [0]
     args = [node.args[i] for i in positions if i is not None and i < len(node.args)]
     return {w for w in (weight_view(a)[0] for a in args) if w is not None} | \
         {a for a in args if isinstance(a, Node) and a.op == "call_function" and weight_view(a)[0] is not None}
