@@ -66,12 +66,20 @@ def _compiled_rank(rank: int, sequence_parallel: bool) -> dict:
         overlapped = tpcompile.shard(model, 2, example_inputs=(ids,),
                                      comm=tpcompile.CommOptions(asynchronous=True)).rank(rank)
         synchronous = tpcompile.shard(model, 2, example_inputs=(ids,)).rank(rank)
+        lowered_async = tpcompile.shard(model, 2, example_inputs=(ids,),
+                                        comm=tpcompile.CommOptions(asynchronous=True, lower_c10d=True)).rank(rank)
     starts = sum(n.target is torch.ops.tpcompile.all_reduce.start for n in overlapped.graph.nodes)
+    fused = sum(n.target is torch.ops.tpcompile.linears_grad_all_reduce.default for n in overlapped.graph.nodes)
     (a_out, a_grads), (s_out, s_grads) = step(overlapped), step(synchronous)
+    l_out, l_grads = step(lowered_async)  # start, wait and fused linears lowered, run eagerly
     return {
-        "async_starts": starts,
+        "async_starts": starts, "fused_linears": fused,
         "async_diff": max([float((a_out - s_out).abs().max())] + [float((a_grads[k] - g).abs().max())
                                                                   for k, g in s_grads.items()]),
+        "lowered_async_diff": max([float((l_out - s_out).abs().max())] + [float((l_grads[k] - g).abs().max())
+                                                                           for k, g in s_grads.items()]),
+        "lowered_async_left": [n.name for n in lowered_async.graph.nodes
+                               if getattr(n.target, "namespace", None) in ("tpcompile", "tpcompile_async")],
         "lowered_ops": dict(lowered_ops), "left": left, "inductor_graphs": seen, "compile_s": first,
         "eager_lowered_diff": max([float((eager_lowered[0] - ref_out).abs().max())]
                                   + [float((eager_lowered[1][k] - g).abs().max()) for k, g in ref_grads.items()]),
@@ -105,7 +113,10 @@ def test_inductor_compiles_lowered_rank_forward_and_backward() -> None:
         assert all(g.get("wait_tensor", 0) >= 1 for g in graphs)
         # and without sequence parallelism, the async all-reduces (gloo work handles) change nothing
         assert res["async_starts"] == 3  # the embedding's and the two row splits' sums
-        assert res["async_diff"] == 0.0, f"rank {r}: async vs synchronous {res['async_diff']}"
+        assert res["fused_linears"] == 3  # c_attn, c_fc and lm_head: input-gradient all-reduces overlapped
+        assert res["async_diff"] <= 1e-6, f"rank {r}: async vs synchronous {res['async_diff']}"
+        assert res["lowered_async_left"] == []
+        assert res["lowered_async_diff"] <= 1e-6, f"rank {r}: lowered async {res['lowered_async_diff']}"
 
 
 def test_lowering_refuses_simulated_ranks() -> None:

@@ -30,6 +30,7 @@ from tpcompile.passes.annotate import annotate_pass
 from tpcompile.passes.comm_async import async_pass
 from tpcompile.passes.comm_bucket import bucket_pass
 from tpcompile.passes.comm_inplace import inplace_pass
+from tpcompile.passes.comm_linear_grads import linear_grads_pass
 from tpcompile.passes.comm_lower import lower_pass
 from tpcompile.passes.comm_options import CommOptions, comm_options
 from tpcompile.passes.pass_context import PassContext, module_path
@@ -121,6 +122,8 @@ class ShardedModel:
             return g
         if self.comm.inplace:
             g = inplace_pass(g)  # in-place: an all-reduce of a dead temporary sums into it
+        if self.comm.asynchronous:
+            g = linear_grads_pass(g)  # overlap: input-gradient all-reduce of column splits during weight gradients
         if self.comm.inplace and self.comm.asynchronous:
             g = async_pass(g)  # async: those all-reduces start after their input, wait before their first reader
         if self.comm.bucket_bytes:

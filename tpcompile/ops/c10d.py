@@ -176,6 +176,34 @@ class GradBucketAllReduce(torch.autograd.Function):
         return (None,) * 5 + tuple(_piece_sum(list(grads), dims, pieces, rank, ws, group))
 
 
+class LinearsGradAllReduce(torch.autograd.Function):
+    """linears_grad_all_reduce: the linears in forward; x's gradient all-reduced, the weights' computed."""
+
+    @staticmethod
+    def forward(ctx: Any, has_bias: list, group: str, x: torch.Tensor, *params: torch.Tensor) -> tuple:
+        n = len(has_bias)
+        weights, present = params[:n], iter(params[n:])
+        biases = [next(present) if b else None for b in has_bias]
+        ctx.group, ctx.has_bias = group, has_bias
+        ctx.save_for_backward(x, *weights)
+        return tuple(torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        x, *weights = ctx.saved_tensors
+        gi = sum(g.matmul(w) for g, w in zip(grads, weights))
+        x2 = x.reshape(-1, x.shape[-1])
+        g2s = [g.reshape(-1, g.shape[-1]) for g in grads]
+        gws = tuple(g2.t().mm(x2) for g2 in g2s)
+        gbs = tuple(g2.sum(0) for g2, b in zip(g2s, ctx.has_bias) if b)
+        return (None, None, _sum(gi, ctx.group)) + gws + gbs
+
+
+def linears_grad_all_reduce(tensors: list, has_bias: list, group: str) -> list:
+    """The linears; x's gradient summed over ranks (inductor may overlap it with the weights' gradients)."""
+    return list(LinearsGradAllReduce.apply(list(has_bias), group, *tensors))
+
+
 def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     """The sum over ranks; identity backward."""
     return AllReduce.apply(x, group)
@@ -222,4 +250,5 @@ LOWERED = {
     "all_gather": (all_gather, True), "all_gather_replicated": (all_gather_replicated, True),
     "reduce_scatter": (reduce_scatter, True), "scatter": (scatter, True),
     "grad_piece_all_reduce": (grad_piece_all_reduce, True), "grad_bucket_all_reduce": (grad_bucket_all_reduce, True),
+    "linears_grad_all_reduce": (linears_grad_all_reduce, False),
 }

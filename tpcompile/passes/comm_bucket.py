@@ -32,7 +32,7 @@ META_KEY = "tp_bucket"
 tp = torch.ops.tpcompile
 
 
-def _parameters(x: Node) -> Optional[list[Node]]:
+def parameters_of(x: Node) -> Optional[list[Node]]:
     """The get_attr nodes x is computed from, or None when x depends on anything else."""
     seen, stack, params = set(), [x], []
     while stack:
@@ -58,7 +58,7 @@ def _member(node: Node, ctx: PassContext) -> Optional[tuple[int, int, int, torch
         dim, pieces = int(node.args[1]), int(node.args[2])
     else:
         return None
-    params = _parameters(node.args[0])
+    params = parameters_of(node.args[0])
     if not params or any(p.target not in ctx.tensors for p in params):
         return None
     nbytes = 0
@@ -84,7 +84,12 @@ def plan_buckets(members: list[tuple[Node, tuple]], bucket_bytes: int) -> list[l
     return buckets
 
 
-def _hoist(graph: fx.Graph, before: Node, x: Node, order: dict[Node, int]) -> None:
+def parameters_only(x: Node) -> bool:
+    """True when x is computed from parameters (get_attr nodes) alone."""
+    return bool(parameters_of(x))
+
+
+def hoist(before: Node, x: Node, order: dict[Node, int]) -> None:
     """Move x's producers that come after `before` (they read parameters only) up before it."""
     late, stack = set(), [x]
     while stack:
@@ -108,7 +113,7 @@ def bucket_pass(gm: Union[GraphModule, fx.Graph], ctx: PassContext,
         bucket.sort(key=lambda m: order[m[0]])  # forward order inside the bucket
         first = bucket[0][0]
         for node, _ in bucket[1:]:
-            _hoist(graph, first, node.args[0], order)
+            hoist(first, node.args[0], order)
         xs = [node.args[0] for node, _ in bucket]
         dims = [info[0] for _, info in bucket]
         pieces = [info[1] for _, info in bucket]

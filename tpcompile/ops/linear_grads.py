@@ -1,0 +1,86 @@
+"""Linears that share a replicated input whose gradient is all-reduced, with the all-reduce overlapped:
+``torch.ops.tpcompile.linears_grad_all_reduce``.
+
+Forward: `[linear(x, w_i, b_i) for i]`, what the column splits reading `grad_all_reduce(x)` compute.
+Backward (Megatron's asynchronous input-gradient all-reduce): the input gradient
+`sum_i g_i @ w_i` is computed first and its all-reduce launched; the weight and bias gradients
+(`g_i^T x`, `sum g_i`), which need no communication, are computed while it is in flight; then the
+sum is waited for. Under torch.distributed the launch is `dist.all_reduce(async_op=True)`; on a
+simulated rank the sum runs at once. Only passes/comm_linear_grads.py emits the op.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tpcompile.ops.collectives import _run
+from tpcompile.runtime.backends import Backend, DistBackend
+
+__all__ = ["linears_grad_all_reduce"]
+
+
+def split_tensors(tensors: list, has_bias: list) -> tuple:
+    """(x, weights, biases) from the op's flat tensor list: x, every weight, then the biases present."""
+    n = len(has_bias)
+    x, weights, present = tensors[0], list(tensors[1:n + 1]), iter(tensors[n + 1:])
+    return x, weights, [next(present) if b else None for b in has_bias]
+
+
+# One flat tensor list (x, weights, biases present), so the schedule record's other arguments are plain values.
+@torch.library.custom_op("tpcompile::linears_grad_all_reduce", mutates_args=(),
+                         schema="(Tensor[] tensors, int[] has_bias, str group) -> Tensor[]")
+def linears_grad_all_reduce(tensors: list[torch.Tensor], has_bias: list[int], group: str) -> list[torch.Tensor]:
+    """linear(x, w_i, b_i) for each i; in backward, x's gradient is all-reduced while the weights' are computed."""
+    x, weights, biases = split_tensors(tensors, has_bias)
+    return [F.linear(x, w, b) for w, b in zip(weights, biases)]
+
+
+@linears_grad_all_reduce.register_fake
+def _fake(tensors: list, has_bias: list, group: str) -> list[torch.Tensor]:
+    x, weights, _ = split_tensors(tensors, has_bias)
+    return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]
+
+
+def _setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    tensors, ctx.has_bias, ctx.group = inputs
+    x, weights, _ = split_tensors(tensors, ctx.has_bias)
+    ctx.save_for_backward(x, *weights)
+
+
+def _launch(backend: Backend, gi: torch.Tensor, works: list) -> torch.Tensor:
+    """Start summing gi in place: asynchronously under torch.distributed, at once on a simulated rank."""
+    if isinstance(backend, DistBackend) and gi.is_contiguous():
+        works.append(dist.all_reduce(gi, group=backend.pg, async_op=True))
+        return gi
+    return gi.copy_(backend.all_reduce(gi.clone()))
+
+
+def _backward(ctx: Any, grads: list[Optional[torch.Tensor]]) -> tuple:
+    x, *weights = ctx.saved_tensors
+    live = [(g, w) for g, w in zip(grads, weights) if g is not None]
+    gi = None
+    for g, w in live:  # the input gradient first: it is what the all-reduce needs
+        part = g.matmul(w)
+        gi = part if gi is None else gi + part
+    gi = x.new_zeros(x.shape) if gi is None else gi.contiguous()
+    works: list = []
+    _run("all_reduce", gi, ctx.group, lambda b: _launch(b, gi, works))
+    x2 = x.reshape(-1, x.shape[-1])
+    gws, gbs = [], []
+    for g, w, has_bias in zip(grads, weights, ctx.has_bias):  # meanwhile: the weights' gradients
+        if g is None:
+            gws.append(torch.zeros_like(w))
+            gbs.append(w.new_zeros(w.shape[0]) if has_bias else None)
+            continue
+        g2 = g.reshape(-1, g.shape[-1])
+        gws.append(g2.t().mm(x2))
+        gbs.append(g2.sum(0) if has_bias else None)
+    for work in works:
+        work.wait()
+    return [gi, *gws, *(b for b in gbs if b is not None)], None, None
+
+
+linears_grad_all_reduce.register_autograd(_backward, setup_context=_setup)
