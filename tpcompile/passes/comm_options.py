@@ -16,8 +16,10 @@ class CommOptions:
     inplace: an all-reduce whose input is a dead temporary sums into it (passes/comm_inplace.py).
     bucket_bytes: per-parameter gradient syncs are flattened into buckets of at most this many
     bytes and reduced once per bucket in backward (passes/comm_bucket.py); 0 turns it off.
-    asynchronous: each in-place all-reduce is split into a start right after its input and a
-    wait right before its first reader (passes/comm_async.py); needs inplace.
+    asynchronous: the linears reading one grad_all_reduce(x) are fused so x's gradient all-reduce
+    overlaps the weight gradients in backward (passes/comm_linear_grads.py); each in-place
+    all-reduce is split into a start right after its input and a wait right before its first
+    reader (passes/comm_async.py; needs inplace).
     lower_c10d: after the per-rank verifier, the collectives become torch.ops._c10d_functional
     calls (passes/comm_lower.py) for torch.compile; needs torch.distributed initialised.
     """
