@@ -171,10 +171,21 @@ def _heads(parts: list[Optional[Node]], segments: tuple) -> Optional[tuple[Optio
     return tuple(d or (known if isinstance(s, int) and s % known == 0 else None) for d, s in zip(sizes, segments))
 
 
+def _along_heads(node: Node) -> bool:
+    """True for a slice, or a pick by positions, along the next-to-last dim (the heads of (.., heads, d))."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() < 2:
+        return False
+    if node.target is torch.ops.aten.slice.Tensor:
+        return len(node.args) > 1 and node.args[1] % val.dim() == val.dim() - 2
+    return node.target is torch.ops.aten.index.Tensor and len(node.args[1]) == val.dim() - 1 \
+        and node.args[1][-1] is not None and all(i is None for i in node.args[1][:-1])
+
+
 def _head_size(value: Node, width: int) -> Optional[int]:
     """d for the first reshape after `value` (through elementwise ops and transposes) to (..., h, d), h * d == width."""
     val = value.meta.get("val")
-    if isinstance(val, torch.Tensor) and val.dim() >= 2 and all(isinstance(v, int) for v in val.shape[-2:]) \
+    if _along_heads(value) and all(isinstance(v, int) for v in val.shape[-2:]) \
             and val.shape[-2] * val.shape[-1] == width:  # a part cut from (.., heads, d) along the heads
         return int(val.shape[-1])
     todo, seen = [value], set()

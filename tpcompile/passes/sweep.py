@@ -223,13 +223,14 @@ def _upstream(seeds: frozenset) -> frozenset:
         return seeds
     keep = set()
     for seed in seeds:
-        todo, seen = list(seed.all_input_nodes), set()
-        while todo and not (seen & seeds):  # the seed's ancestors, until another seed is among them
+        todo, seen, fed = list(seed.all_input_nodes), set(), False
+        while todo and not fed:  # the seed's ancestors, until another seed is among them
             n = todo.pop()
             if n not in seen:
                 seen.add(n)
+                fed = n in seeds
                 todo += n.all_input_nodes
-        if not seen & seeds:
+        if not fed:
             keep.add(seed)
     return frozenset(keep) or seeds
 
