@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import time
 import warnings
@@ -122,7 +123,6 @@ def _compile_rank(rank: int) -> dict:
     """Inductor compile of this rank's lowered 1-block GPT graph: first forward+backward, then a step.
 
     Inductor's on-disk caches point at a fresh folder, so the first step compiles from nothing."""
-    import os
     import tempfile
 
     from tpcompile.models.gpt import GPT, GPTConfig
@@ -167,13 +167,17 @@ def main(argv: list[str] | None = None) -> int:
         _write_doc("comm-compile", "\n".join(lines))
         print("\n".join(lines))
         return 0
+    load_before = os.getloadavg()[0]
     res = launch(2, _rank, args.reps, args.iters, timeout=3000)[0]
+    load_after = os.getloadavg()[0]
     table = {name: dict(_summary(r["times"]), diff=max(r["max_diff_vs_hand_written"].values()))
              for name, r in res.items()}
     (out_dir / "comm.json").write_text(json.dumps({"reps": args.reps, "iters": args.iters, "raw": res,
+                                                   "load_average": [load_before, load_after],
                                                    "summary": table}, indent=1) + "\n")
     lines = [f"{args.reps} repetitions of {args.iters} iterations, world size 2, gloo, one thread per rank; "
-             f"time / hand-written time per repetition: median (min-max).", "",
+             f"time / hand-written time per repetition: median (min-max). The machine's 1-minute load "
+             f"average ({os.cpu_count()} cores) was {load_before:.1f} before and {load_after:.1f} after.", "",
              "| case | hand-written (ms) | tpcompile, comm=CommOptions(asynchronous=True) | tpcompile, no comm passes "
              "| max output diff |", "|---|---|---|---|---|"]
     for name, s in table.items():
