@@ -114,3 +114,18 @@ def test_overlapped_input_gradient_is_one_backward_all_reduce() -> None:
     fast, _ = _shard(tpcompile.CommOptions(asynchronous=True))
     count = lambda events: sum(e[0] == "all_reduce" and e[1] == "backward" for e in events)  # noqa: E731
     assert count(_train(fast, x)[1]) == count(_train(plain, x)[1]) == 2 * 2  # 2 blocks, 2 ranks
+
+
+def test_fused_linears_under_autocast_match_the_unfused_graph() -> None:
+    """Sharded under bf16 autocast: the fused backward computes in the gradients' precision like linear's."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain, x = _shard(None)
+        fast, _ = _shard(tpcompile.CommOptions(asynchronous=True))
+        assert any(n.target is LINEARS for n in fast.rank(0).graph.nodes)
+        (want, _), (got, _) = _train(plain, x), _train(fast, x)
+    for (out, gx, grads), (rout, rgx, rgrads) in zip(got, want):
+        assert out.dtype == rout.dtype and torch.equal(out, rout)
+        assert gx.dtype == rgx.dtype and torch.allclose(gx, rgx, atol=1e-6, rtol=0)
+        for k in rgrads:
+            assert grads[k].dtype == rgrads[k].dtype
+            assert torch.allclose(grads[k], rgrads[k], atol=1e-6, rtol=0), k

@@ -191,11 +191,11 @@ class LinearsGradAllReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         x, *weights = ctx.saved_tensors
-        gi = sum(g.matmul(w) for g, w in zip(grads, weights))
+        gi = sum(g.matmul(w.to(g.dtype)).to(x.dtype) for g, w in zip(grads, weights))
         x2 = x.reshape(-1, x.shape[-1])
         g2s = [g.reshape(-1, g.shape[-1]) for g in grads]
-        gws = tuple(g2.t().mm(x2) for g2 in g2s)
-        gbs = tuple(g2.sum(0) for g2, b in zip(g2s, ctx.has_bias) if b)
+        gws = tuple(g2.t().mm(x2.to(g2.dtype)).to(w.dtype) for g2, w in zip(g2s, weights))
+        gbs = tuple(g2.sum(0).to(w.dtype) for g2, w, b in zip(g2s, weights, ctx.has_bias) if b)
         return (None, None, _sum(gi, ctx.group)) + gws + gbs
 
 

@@ -63,7 +63,7 @@ def _backward(ctx: Any, grads: list[Optional[torch.Tensor]]) -> tuple:
     live = [(g, w) for g, w in zip(grads, weights) if g is not None]
     gi = None
     for g, w in live:  # the input gradient first: it is what the all-reduce needs
-        part = g.matmul(w)
+        part = g.matmul(w.to(g.dtype)).to(x.dtype)  # under autocast g is in the low precision, as linear's
         gi = part if gi is None else gi + part
     gi = x.new_zeros(x.shape) if gi is None else gi.contiguous()
     works: list = []
@@ -76,8 +76,8 @@ def _backward(ctx: Any, grads: list[Optional[torch.Tensor]]) -> tuple:
             gbs.append(w.new_zeros(w.shape[0]) if has_bias else None)
             continue
         g2 = g.reshape(-1, g.shape[-1])
-        gws.append(g2.t().mm(x2))
-        gbs.append(g2.sum(0) if has_bias else None)
+        gws.append(g2.t().mm(x2.to(g.dtype)).to(w.dtype))
+        gbs.append(g2.sum(0).to(w.dtype) if has_bias else None)
     for work in works:
         work.wait()
     return [gi, *gws, *(b for b in gbs if b is not None)], None, None
