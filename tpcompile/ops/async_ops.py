@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.library import Library
 
-from tpcompile.ops.collectives import _run
 import tpcompile.ops.inplace  # noqa: F401  (all_reduce.inplace, the synchronous form of the start)
+from tpcompile.ops.collectives import _run
 from tpcompile.runtime.backends import Backend, DistBackend
 
 __all__ = ["all_reduce_start", "wait"]

@@ -71,7 +71,7 @@ def async_pass(gm: Union[GraphModule, fx.Graph]) -> Union[GraphModule, fx.Graph]
         with graph.inserting_before(first):
             done = graph.call_function(torch.ops.tpcompile_async.wait.default, (node,))
         done.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
-        node.replace_all_uses_with(done, delete_user_cb=lambda user: user is not done)
+        node.replace_all_uses_with(done, delete_user_cb=lambda user, done=done: user is not done)
     order = {n: i for i, n in enumerate(graph.nodes)}
     for node in starts:
         (done,) = node.users
