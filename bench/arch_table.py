@@ -124,7 +124,8 @@ def render(rows: list[dict], wall_s: float) -> str:
         "",
         "- Models: `tests/hf_models.py`, randomly initialised from their config classes with a fixed"
         f" seed ({sizes}, plus each builder's own extras there; GPT-2 uses n_layer=2, n_embd=64,"
-        " n_head=4), fp32, eval mode.",
+        " n_head=4), fp32, eval mode. A builder whose sizes differ says why in its docstring (mixtures of"
+        " experts: 4 experts, top 2; DeepSeek-V3's latents; GPTBigCode's 8 query heads for its one kv head).",
         f"- `tpcompile.shard(model, ws, example_kwargs=inputs(arch, {EXAMPLE[0]}, {EXAMPLE[1]}))`, then"
         f" `tpcompile.simulate` on a new batch of shape ({RUN[0]}, {RUN[1]}), so each graph also runs"
         " at a batch and length it was not captured with.",
