@@ -240,3 +240,34 @@ def test_group_norm_per_head_keeps_whole_groups_per_rank(ws: int) -> None:
     with torch.no_grad():
         for out in tpcompile.simulate(sm, x):
             torch.testing.assert_close(out, model(x), atol=2e-5, rtol=1e-5)
+
+
+class PostNormMLP(nn.Module):
+    """Gemma-style post-norm: a column -> row MLP whose output is cast to float32 and normed
+    (x * rsqrt(mean(x^2))), then added to the residual stream; `blocks` of them."""
+
+    def __init__(self, blocks: int) -> None:
+        super().__init__()
+        self.ups = nn.ModuleList(nn.Linear(16, 32, bias=False) for _ in range(blocks))
+        self.downs = nn.ModuleList(nn.Linear(32, 16, bias=False) for _ in range(blocks))
+        self.norms = nn.ModuleList(WrittenRMSNorm(16) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for up, down, norm in zip(self.ups, self.downs, self.norms):
+            x = x + norm(down(F.gelu(up(x))).float())
+        return x
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_a_row_split_read_whole_and_linearly_is_summed_once(ws: int) -> None:
+    """The row split's sum is needed whole by the norm's statistics and read linearly by its scaling:
+    the scaling reads the same sum (one all-reduce per block, not a second after the scaling); exact."""
+    torch.manual_seed(0)
+    model = PostNormMLP(3).eval()
+    sm = tpcompile.shard(model, ws, example_inputs=(torch.randn(2, 5, 16),))
+    assert [op for op, _ in sm.collectives()] == ["all_reduce"] * 3
+    x = torch.randn(3, 7, 16)
+    with torch.no_grad():
+        ref = model(x)
+        for r, out in enumerate(tpcompile.simulate(sm, x)):
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=0, msg=lambda m: f"rank {r}: {m}")

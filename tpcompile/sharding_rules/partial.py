@@ -13,6 +13,7 @@ rule sees the pending inputs as whole values, and the rewriter all-reduces them 
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Optional
 
 import torch
@@ -45,6 +46,7 @@ _SHAPE_ONLY = {f"aten.{n}" for n in (
     "sym_size.int", "sym_numel.default", "sym_stride.int", "zeros_like.default", "ones_like.default",
     "empty_like.default", "full_like.default", "new_zeros.default", "new_ones.default", "new_empty.default",
     "new_full.default", "_assert_tensor_metadata.default")}
+_KEEPS = _FIRST | set(_ONE) | set(_JOINT) | _SHAPE_ONLY  # ops that may keep a sum pending
 _ZEROS = {"aten.zeros_like.default", "aten.zeros.default", "aten.new_zeros.default"}
 _FULL = {"aten.full.default": 1, "aten.full_like.default": 1, "aten.new_full.default": 2}
 
@@ -52,6 +54,13 @@ _FULL = {"aten.full.default": 1, "aten.full_like.default": 1, "aten.new_full.def
 def partial_result(node: Node, rules: RuleContext, placement: Callable[[Any], Any],
                    inner: Callable[[Node, RuleContext, Any], Result]) -> Result:
     """`inner`'s answer for the node (its rule), kept pending where the op is linear in its pending inputs."""
+    summed = {i for i in node.all_input_nodes if isinstance(placement(i), Partial) and _summed_anyway(i)}
+    if summed:  # read the sum another reader needs anyway: one all-reduce, not a second one later
+        given = placement
+
+        def placement(n: Any) -> Any:
+            return REPLICATE if n in summed else given(n)
+        rules = rules.seeing(placement)
     pending = [i for i in node.all_input_nodes if isinstance(placement(i), Partial)]
     if not pending:
         return inner(node, rules, placement)
@@ -65,6 +74,20 @@ def partial_result(node: Node, rules: RuleContext, placement: Callable[[Any], An
         p = placement(n)
         return REPLICATE if isinstance(p, Partial) else p
     return inner(node, rules.seeing(whole), whole)
+
+
+def _summed_anyway(value: Node) -> bool:
+    """True when a reader of the pending `value` needs it whole (an op not linear in it, a weight op, the
+    graph's output), so that its all-reduce happens whatever the other readers do."""
+    for u in value.users:
+        if u.op != "call_function":
+            return True
+        spec = u.meta.get("tp_rule")
+        if spec is not None and spec.get("owner") is not None:
+            return True
+        if u.target is not operator.getitem and op_name(u.target) not in _KEEPS:
+            return True
+    return False
 
 
 def _flat(args: Any) -> list:
