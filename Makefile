@@ -4,7 +4,7 @@ TPCOMPILE_FUZZ_EXAMPLES ?= 2000
 
 .PHONY: test fuzz
 
-# The default suite (about 13 minutes on 2 shared cores), the short fuzz run included.
+# The default suite (about 13 minutes on 2 idle cores), the short fuzz run included.
 test:
 	$(PYTHON) -m pytest -q
 
