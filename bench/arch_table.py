@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import sys
 import time
 import traceback
@@ -22,10 +21,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from hf_models import ALL_ARCHS, SIZES, Arch, build, inputs, param_bytes  # noqa: E402
+
 import tpcompile  # noqa: E402
 from tpcompile.ops import collectives as C  # noqa: E402
-
-from hf_models import ALL_ARCHS, SIZES, Arch, build, inputs  # noqa: E402
 
 WORLD_SIZES = (2, 4)
 EXAMPLE = (2, 8)  # (batch, length) the graph is captured with
@@ -37,14 +36,6 @@ HELD = 1.25  # a rank may hold at most HELD / world_size of the parameter bytes
 def _fmt_counts(counts: dict[str, int]) -> str:
     """'4 all_reduce, 1 all_gather_replicated' style text."""
     return ", ".join(f"{v} {k}" for k, v in counts.items()) or "none"
-
-
-def _param_share(model: torch.nn.Module, sm: tpcompile.ShardedModel) -> tuple[float, int]:
-    """(share of the parameter bytes one rank holds, total parameter bytes) from the plan."""
-    sizes = {n: p.element_size() for n, p in model.named_parameters(remove_duplicate=False)}
-    local = sum(math.prod(pp.local_shape) * sizes[n] for n, pp in sm.plan.parameters.items())
-    total = sum(math.prod(pp.global_shape) * sizes[n] for n, pp in sm.plan.parameters.items())
-    return local / total, total
 
 
 def run_one(arch: Arch, ws: int, run: tuple[int, int] = RUN) -> dict[str, Any]:
@@ -68,7 +59,8 @@ def run_one(arch: Arch, ws: int, run: tuple[int, int] = RUN) -> dict[str, Any]:
     for e in events:
         if e.rank == 0 and e.phase == "forward" and e.op in C.FORWARD_COLLECTIVES:
             counts[e.op] = counts.get(e.op, 0) + 1
-    share, total = _param_share(model, sm)
+    local, total = param_bytes(model, sm)
+    share = local / total
     return {"diff": diff, "counts": counts, "share": share, "total": total, "warnings": warned,
             "seconds": time.perf_counter() - start}
 

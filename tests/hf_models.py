@@ -1,6 +1,7 @@
 """Small Hugging Face models built offline from their config classes (random weights)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -240,3 +241,16 @@ NEW_ARCHS = [Arch("phi", phi, "logits"), Arch("phi3", phi3, "logits"), Arch("fal
              Arch("phimoe", phimoe, "logits"), Arch("deepseek_v3", deepseek_v3, "logits"),
              Arch("falcon_mamba", falcon_mamba, "logits")]
 ALL_ARCHS = ARCHS + NEW_ARCHS
+
+
+def param_bytes(model: torch.nn.Module, sm: Any) -> tuple[int, int]:
+    """(bytes of one rank's parameter slices, bytes of all parameters), from the plan (tied weights once)."""
+    sizes = {n: p.element_size() for n, p in model.named_parameters(remove_duplicate=False)}
+    local = sum(math.prod(pp.local_shape) * sizes[n] for n, pp in sm.plan.parameters.items())
+    return local, sum(math.prod(pp.global_shape) * sizes[n] for n, pp in sm.plan.parameters.items())
+
+
+def held_share(model: torch.nn.Module, sm: Any) -> float:
+    """The share of the parameter bytes one rank holds."""
+    local, total = param_bytes(model, sm)
+    return local / total

@@ -7,7 +7,6 @@ needed for them, run in the default suite; the rest are marked slow (pytest -m s
 """
 from __future__ import annotations
 
-import math
 import warnings
 
 import pytest
@@ -18,7 +17,7 @@ from tpcompile.api import shard_captured
 from tpcompile.capture import capture
 
 pytest.importorskip("transformers")
-from hf_models import NEW_ARCHS, Arch, build, inputs  # noqa: E402
+from hf_models import NEW_ARCHS, Arch, build, held_share, inputs  # noqa: E402
 
 HELD = 1.25
 # falcon (multi-query heads cut from a viewed projection), albert (embedding projection, shared layer),
@@ -26,13 +25,6 @@ HELD = 1.25
 FAST = ("falcon", "albert", "deepseek_v3")
 GAPS = ("falcon_mamba",)  # docs/architectures.md, Known gaps
 CHECKED = [a for a in NEW_ARCHS if a.name not in GAPS]
-
-
-def _held(model: torch.nn.Module, sm: tpcompile.ShardedModel) -> float:
-    """Share of the parameter bytes one rank holds (tied weights once), from the plan."""
-    sizes = {n: p.element_size() for n, p in model.named_parameters(remove_duplicate=False)}
-    local = sum(math.prod(p.local_shape) * sizes[n] for n, p in sm.plan.parameters.items())
-    return local / sum(math.prod(p.global_shape) * sizes[n] for n, p in sm.plan.parameters.items())
 
 
 def _check(arch: Arch) -> None:
@@ -48,7 +40,7 @@ def _check(arch: Arch) -> None:
             warnings.simplefilter("error", tpcompile.TPCompileWarning)
             sm = shard_captured(cap, ws)
         assert not sm.plan.warnings
-        held = _held(model, sm)
+        held = held_share(model, sm)
         assert held <= HELD / ws, f"{arch.name} at {ws} ranks: each rank holds {held:.1%} of the parameters"
         with torch.no_grad():
             outs = tpcompile.simulate(sm, **kw)

@@ -10,12 +10,12 @@ and length, and each rank holds the part of the parameters the split gives.
 """
 from __future__ import annotations
 
-import math
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hf_models import held_share
 from torch import nn
 
 import tpcompile
@@ -56,12 +56,6 @@ def _shard(model: nn.Module, ws: int, example: torch.Tensor) -> tpcompile.Sharde
         return tpcompile.shard(model, ws, example_inputs=(example,))
 
 
-def _held(model: nn.Module, sm: tpcompile.ShardedModel) -> float:
-    """Share of the parameter elements one rank holds."""
-    local = sum(math.prod(p.local_shape) for p in sm.plan.parameters.values())
-    return local / sum(p.numel() for p in model.parameters())
-
-
 @pytest.mark.parametrize("ws", [2, 4])
 def test_keys_filled_into_a_fresh_tensor_stay_split(ws: int) -> None:
     """new_empty sized from split heads is split like them; the shared part is copied in as each rank's heads."""
@@ -71,7 +65,7 @@ def test_keys_filled_into_a_fresh_tensor_stay_split(ws: int) -> None:
     roles = {m: sm.plan.modules[m] for m in ("q", "kv_a", "kv_b", "o")}
     assert roles == {"q": "column", "kv_a": "replicated", "kv_b": "column", "o": "row"}
     split, whole = D * H * (HD + SHARED) + LATENT * H * 2 * HD + H * HD * D, D * (LATENT + SHARED)
-    assert _held(model, sm) == pytest.approx((split / ws + whole) / (split + whole))
+    assert held_share(model, sm) == pytest.approx((split / ws + whole) / (split + whole))
     x = torch.randn(3, 11, D)
     with torch.no_grad():
         ref = model(x)

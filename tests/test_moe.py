@@ -9,27 +9,21 @@ all-reduces per block (attention's output projection and the MoE layer), not one
 from __future__ import annotations
 
 import copy
-import math
 import re
 import warnings
 from dataclasses import replace
 
 import pytest
 import torch
+from hf_models import held_share
+from moe_models import LAYOUTS, build_moe
 
 import tpcompile
-from moe_models import LAYOUTS, build_moe
 from tpcompile.api import shard_captured
 from tpcompile.capture import capture
 from tpcompile.passes.rank_module import local_tensor
 
 BLOCK = re.compile(r"^blocks\.(\d+)")
-
-
-def held(sm: tpcompile.ShardedModel) -> float:
-    """The share of the parameter bytes one rank holds (every parameter here is float32)."""
-    local = sum(math.prod(p.local_shape) for p in sm.plan.parameters.values())
-    return local / sum(math.prod(p.global_shape) for p in sm.plan.parameters.values())
 
 
 def per_block(sm: tpcompile.ShardedModel) -> dict[str, list[str]]:
@@ -56,7 +50,7 @@ def _check(model: torch.nn.Module, ws_list: tuple[int, ...] = (2, 4)) -> list[tp
         with torch.no_grad():
             for r, got in enumerate(tpcompile.simulate(sm, ids)):
                 torch.testing.assert_close(got, ref, atol=1e-5, rtol=0, msg=lambda m: f"ws {ws} rank {r}: {m}")
-        assert held(sm) <= 1.25 / ws, f"ws {ws}: each rank holds {held(sm):.3f} of the parameters"
+        assert held_share(model, sm) <= 1.25 / ws, f"ws {ws}: each rank holds {held_share(model, sm):.3f} of the parameters"
         blocks = per_block(sm)
         assert blocks["0"] == blocks["1"] == ["all_reduce", "all_reduce"], blocks
         out.append(sm)
@@ -113,4 +107,4 @@ def test_llama_style_moe_held_share() -> None:
     """The issue's measure: a Llama-style MoE (4 experts of 64, top 2) held 85% per rank at 2 ranks; now <= 1.25/ws."""
     model = build_moe(layout="list_dense", width=64, inner=64, heads=4, vocab=128)
     sm = tpcompile.shard(model, 2, example_inputs=(torch.randint(0, 64, (2, 8)),))
-    assert held(sm) <= 0.625 and not sm.plan.warnings
+    assert held_share(model, sm) <= 0.625 and not sm.plan.warnings
