@@ -117,20 +117,26 @@ def _unbound_later(node: Node, d: int) -> bool:
         if len(users) != 1:
             return False
         u = users[0]
-        if u.target is torch.ops.aten.permute.default:
-            d = [x % len(u.args[1]) for x in u.args[1]].index(d)
-        elif u.target is torch.ops.aten.transpose.int:
-            nd = u.args[0].meta["val"].dim()
-            a, b = u.args[1] % nd, u.args[2] % nd
-            d = b if d == a else a if d == b else d
-        elif u.target is torch.ops.aten.unsqueeze.default:
-            d += u.args[1] % u.meta["val"].dim() <= d
-        elif u.target is torch.ops.aten.squeeze.dim:
-            d -= u.args[1] % u.args[0].meta["val"].dim() < d
-        elif lookup(u.target) is None or lookup(u.target).rule != "pointwise":
+        moved = _moved_dim(u, d)
+        if moved is None and (lookup(u.target) is None or lookup(u.target).rule != "pointwise"):
             return False
-        node = u
+        d, node = d if moved is None else moved, u
     return False
+
+
+def _moved_dim(u: Node, d: int) -> Optional[int]:
+    """Where dim d of u's input lands in u's output, for a transpose, permute, unsqueeze or squeeze; else None."""
+    if u.target is torch.ops.aten.permute.default:
+        return [x % len(u.args[1]) for x in u.args[1]].index(d)
+    if u.target is torch.ops.aten.transpose.int:
+        nd = u.args[0].meta["val"].dim()
+        a, b = u.args[1] % nd, u.args[2] % nd
+        return b if d == a else a if d == b else d
+    if u.target is torch.ops.aten.unsqueeze.default:
+        return d + (u.args[1] % u.meta["val"].dim() <= d)
+    if u.target is torch.ops.aten.squeeze.dim:
+        return d - (u.args[1] % u.args[0].meta["val"].dim() < d)
+    return None
 
 
 def _sliced_segments(node: Node, width: Optional[int]) -> Optional[tuple[tuple[int, ...], list[Node]]]:
@@ -207,36 +213,44 @@ def _head_size(value: Node, width: int) -> Optional[int]:
 
 
 def _segment_parts(node: Node) -> Optional[tuple[tuple[int, ...], list[Optional[Node]]]]:
-    """Sizes a fused projection's output is split into along its last dim (q|k|v), and the value holding each
-    part (None for a stacked (3, heads, dim) layout), if it is split."""
+    """Sizes a fused projection's output is split into along its feature dim (q|k|v; the last dim, or where
+    transposes move it, as Mamba's `in_proj(x).transpose(1, 2).chunk(2, dim=1)` does), and the value holding
+    each part (None for a stacked (3, heads, dim) layout), if it is split."""
     width, cur = _last_dim(node), node
+    fdim = node.meta["val"].dim() - 1 if width else 0  # where the projection's features are in cur
     for _ in range(8):
-        users = list(cur.users)
+        users = [u for u in cur.users if u.target is not torch.ops.aten.sym_size.int]  # shape reads aside
+        last = fdim == cur.meta["val"].dim() - 1
         for u in users:
             spec = lookup(u.target)
             vals = u.meta.get("val")
             if spec is not None and spec.rule == "split" and isinstance(vals, (list, tuple)):
                 ndim = cur.meta["val"].dim()
                 dim = u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)
-                if dim % ndim == ndim - 1:
+                if dim % ndim == fdim:
                     got = {g.args[1]: g for g in u.users if g.target is operator.getitem}
-                    return tuple(int(v.shape[-1]) for v in vals), [got.get(i) for i in range(len(vals))]
-            if spec is not None and spec.rule == "reshape" and width:
+                    return tuple(int(v.shape[fdim]) for v in vals), [got.get(i) for i in range(len(vals))]
+            if spec is not None and spec.rule == "reshape" and width and last:
                 stacked = _stacked_segments(u, width)
                 if stacked:
                     return stacked, [None] * len(stacked)
                 headed = _head_parts(u, width)
                 if headed:
                     return headed
-        sliced = _sliced_segments(cur, width)
+        sliced = _sliced_segments(cur, width) if last else None
         if sliced:
             return sliced
         if len(users) != 1:
             return None
         nxt = users[0]
-        spec = lookup(nxt.target)
-        if spec is None or spec.rule not in _FOLLOW or _last_dim(nxt) != width:
+        spec, moved = lookup(nxt.target), _moved_dim(nxt, fdim)
+        if moved is not None and moved != fdim and nxt.target in (torch.ops.aten.transpose.int,
+                                                                  torch.ops.aten.permute.default):
+            fdim = moved  # the features move (channels first for a convolution)
+        elif spec is None or spec.rule not in _FOLLOW or not last or _last_dim(nxt) != width:
             return None
+        else:
+            fdim = nxt.meta["val"].dim() - 1  # still the last dim
         cur = nxt
     return None
 
