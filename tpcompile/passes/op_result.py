@@ -50,7 +50,10 @@ def op_result(node: Node, rules: RuleContext, placement: Any) -> Result:
         return Result(out, [])
     res = Result(REPLICATE, [Want(i, REPLICATE) for i in tensors])
     if node.target is torch.ops.aten.sym_size.int and isinstance(placement(node.args[0]), Shard):
-        res.conflict = None if placement(node.args[0]).dim != node.args[1] else "size of a sharded dim"
+        ndim = len(rules.shape(node.args[0]) or ()) or 1
+        if placement(node.args[0]).dim != node.args[1] % ndim:
+            return Result(REPLICATE, [Want(node.args[0], placement(node.args[0]))])  # a whole dim: read locally
+        res.conflict = "size of a sharded dim"
         return res
     if not rules.all_replicated(tensors):
         written = [w for w in _written(node) if not isinstance(placement(w), Replicate)]
