@@ -5,8 +5,10 @@ weight's dim 0 and the bias cut alike), so its output is split on the channel di
 input split on its channels is a row split: each rank convolves its input channels (the weight's
 dim 1) into a partial sum of every output channel, reduced once, the bias added after the
 reduce. Whisper's two encoder convolutions are such a pair, with one all-reduce between them.
-Grouped convolutions (depthwise, groups > 1) and computed weights are not split here (the DTensor
-fallback may still place them).
+A grouped convolution (depthwise: one group per channel, as Mamba's short causal convolution) on an
+input split by channels into whole groups per rank convolves its own groups: the weight's dim 0
+and the bias are cut alike, the output stays split on its channels and the group count is made
+local, with no communication. Its weight may be a view of the parameter (`w.squeeze(1).unsqueeze(1)`).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from torch.fx import Node
 from tpcompile.placement import PARTIAL, REPLICATE, ParamSlice, Replicate, Shard
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want
-from tpcompile.sharding_rules.table import RuleSpec
+from tpcompile.sharding_rules.table import RuleSpec, op_name
 
 
 def _arg(node: Node, i: Optional[int], default: Any = None) -> Any:
@@ -30,10 +32,12 @@ def weight_conv(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     row split on one split by channels."""
     x, w, b = (_arg(node, spec.get(k)) for k in ("input", "weight", "bias"))
     tensors = [n for n in (x, w, b) if isinstance(n, Node)]
-    if ctx.param(w) is None or _arg(node, spec.get("groups_arg"), 1) != 1:  # an activation weight, grouped
+    if _arg(node, spec.get("groups_arg"), 1) != 1:
+        return _grouped(node, spec, ctx, tensors)
+    if ctx.param(w) is None:  # an activation weight
         whole = [Want(n, REPLICATE) for n in tensors]
         return Result(REPLICATE, whole, conflict=None if ctx.all_replicated(tensors) else
-                      "convolution with a computed weight, or in groups, on a split input")
+                      "convolution with a computed weight on a split input")
     params: dict[Node, Optional[ParamSlice]] = {w: None, **({b: None} if isinstance(b, Node) else {})}
     px, channels = ctx.placement(x), ctx.shape(w)[0]
     if ctx.demoted(node):
@@ -51,3 +55,46 @@ def weight_conv(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return Result(out, [Want(x, px)] + bias, role="row", params=params)
     return Result(REPLICATE, [Want(x, REPLICATE)], params=params,
                   conflict=f"input is split as {px}, not on its channels (dim 1)")
+
+
+_VIEWS = ("aten.squeeze.dim", "aten.unsqueeze.default", "aten.to.dtype", "aten._to_copy.default")
+
+
+def _param_behind(w: Any, ctx: RuleContext) -> Optional[Node]:
+    """The parameter a convolution weight reads, directly or through squeezes, unsqueezes and casts that keep
+    its output channels in dim 0."""
+    n = w
+    for _ in range(4):
+        if not isinstance(n, Node) or ctx.param(n) is not None:
+            break
+        if n.op != "call_function" or op_name(n.target) not in _VIEWS or not n.args:
+            return None
+        if "squeeze" in op_name(n.target) and n.args[1] % max(1, len(ctx.shape(n.args[0]) or ())) == 0:
+            return None
+        n = n.args[0]
+    return n if isinstance(n, Node) and ctx.param(n) is not None else None
+
+
+def _grouped(node: Node, spec: RuleSpec, ctx: RuleContext, tensors: list) -> Result:
+    """groups > 1: each rank convolves the whole groups of its input channels (weight and bias cut on dim 0)."""
+    x, w, b = (_arg(node, spec.get(k)) for k in ("input", "weight", "bias"))
+    whole = [Want(n, REPLICATE) for n in tensors]
+    if ctx.all_replicated(tensors):
+        return Result(REPLICATE, whole)
+    px, groups, src = ctx.placement(x), _arg(node, spec.get("groups_arg")), _param_behind(w, ctx)
+    if isinstance(px, Replicate) or ctx.demoted(node):  # whole (a weight an earlier round cut is read whole)
+        return Result(REPLICATE, whole, role="replicated", params={} if src is None else {src: None})
+    if src is None:
+        return Result(REPLICATE, whole, conflict="grouped convolution with a computed weight on a split input")
+    if not (isinstance(px, Shard) and px.plain and px.dim == 1 and not px.seq):
+        return Result(REPLICATE, whole, conflict=f"grouped convolution on an input split as {px}, not on its "
+                                                 f"channels (dim 1)")
+    if groups % ctx.world_size:
+        return Result(REPLICATE, whole, conflict=f"{groups} groups over channels split across {ctx.world_size} "
+                                                 f"ranks: the world size must divide the groups")
+    params: dict[Node, Optional[ParamSlice]] = {src: ParamSlice(0)}
+    if isinstance(b, Node) and ctx.param(b) is not None:
+        params[b] = ParamSlice(0)
+    wants = [Want(x, px), Want(w, Shard(0))] + ([Want(b, Shard(0))] if isinstance(b, Node) else [])
+    return Result(Shard(1), wants, role="channels", params=params,
+                  localize=[("split", spec.get("groups_arg"), None, None)])
