@@ -93,7 +93,9 @@ def contraction(node: Node) -> Optional[tuple[Node, Node, ParamView, str]]:
         return _pick(list(node.args[1]), lhs.split(","), out, plain_ok=True)
     else:
         return None
-    return _pick(list(node.args[:2]), list(terms[:2]), terms[2], plain_ok=False)
+    # a plain 2-D parameter on the left (`W @ x`, Mamba's dt_proj) is no 2-D weight op's: it is contracted here
+    return _pick(list(node.args[:2]), list(terms[:2]), terms[2], plain_ok=name != "aten.linear.default"
+                 and name not in _GROUPED and param_view(node.args[0]) is not None)
 
 
 def _pick(operands: list, terms: list[str], out: str, plain_ok: bool) -> Optional[tuple]:
