@@ -16,7 +16,7 @@ from tpcompile.passes.propagate import SEED_RULES, seed_path
 from tpcompile.placement import ParamSlice, is_seq, slice_shape
 from tpcompile.sharding_rules.rule_context import RuleContext, not_token_split
 
-SPLIT_ROLES = ("column", "row", "vocab")
+SPLIT_ROLES = ("column", "row", "vocab", "channels")
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,8 @@ def build_plan(gm: GraphModule, ctx: PassContext) -> Plan:
         sl = ctx.slice_for(name)
         owners = [owner_path(n) for n in ctx.aliases(name)]
         roles = [plan.modules[o] for o in owners if o in plan.modules]
-        role = next((r for r in roles if r != "replicated"), "replicated") if sl is not None else "replicated"
+        # "follows": cut like the split value it is combined with, by no weight op of its own (param_cuts.py)
+        role = next((r for r in roles if r != "replicated"), "follows") if sl is not None else "replicated"
         local = slice_shape(t.shape, sl, ctx.world_size)
         tied = tuple(n for n in ctx.aliases(name) if n != name)
         plan.parameters[name] = ParamPlan(name, role, None if sl is None else sl.dim,

@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 from torch.fx import GraphModule, Node
 
+from tpcompile.passes.param_cuts import wished_cut
 from tpcompile.passes.op_result import check_wants, gathering_seq, op_result
 from tpcompile.passes.pass_context import PassContext, describe, internal_error
 from tpcompile.placement import REPLICATE, ParamSlice, Shard, is_seq, slice_placement
@@ -55,6 +56,7 @@ class Sweep:
         self.origins: dict[Node, frozenset] = {}  # sharded value -> the seeds whose splits it carries
         self.grad: dict[Node, bool] = {}
         self.requests: dict[str, dict[Optional[ParamSlice], set]] = {}  # parameter -> slice -> users
+        self.wishes: dict[str, dict[ParamSlice, set]] = {}  # parameter -> slice -> seeds (param_cuts.py)
         self.conflicts: list[tuple[frozenset, str]] = []
         self.regroups: list[tuple[frozenset, int]] = []
         self.tainted: set[Node] = set()  # downstream of a conflict whose guess may be wrong
@@ -180,6 +182,10 @@ class Sweep:
         """Write the node's placement and layout; note its parameter uses and its origins."""
         for p, sl in res.params.items():
             self.requests.setdefault(p.target, {}).setdefault(sl, set()).add(node)
+        for w in res.wants:
+            wish = wished_cut(w.node, w.placement, self.param, self.ctx.world_size)
+            if wish is not None:
+                self.wishes.setdefault(wish[0], {}).setdefault(wish[1], set()).update(src)
         node.meta["tp_placement"] = res.out
         node.meta["tp_layout"] = Layout(res.role, res.wants, res.localize)
         if res.note:
@@ -208,6 +214,10 @@ class Sweep:
             self.ctx.param_slices[target] = sl
             if sl is not None:
                 self.ctx.param_seeds[target] = frozenset(by_slice[sl])
+        for target, wished in self.wishes.items():  # cut where every reader wants the same slice
+            if target not in self.requests and len(wished) == 1:
+                sl, seeds = next(iter(wished.items()))
+                self.ctx.param_slices[target], self.ctx.param_seeds[target] = sl, frozenset(seeds)
         for node in self.gm.graph.nodes:  # reads outside the weight ops must see the cut they will get
             if node.op == "get_attr" and self.ctx.param_slices.get(node.target) != self.assumed.get(node.target):
                 seeds = self.ctx.param_seeds.get(node.target, frozenset())
