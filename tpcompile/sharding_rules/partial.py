@@ -47,6 +47,13 @@ _SHAPE_ONLY = {f"aten.{n}" for n in (
     "empty_like.default", "full_like.default", "new_zeros.default", "new_ones.default", "new_empty.default",
     "new_full.default", "_assert_tensor_metadata.default")}
 _KEEPS = _FIRST | set(_ONE) | set(_JOINT) | _SHAPE_ONLY  # ops that may keep a sum pending
+# Ops that move a value's entries without combining them (each output entry is one input entry).
+_MOVES = {f"aten.{n}" for n in (
+    "view.default", "reshape.default", "_unsafe_view.default", "flatten.using_ints", "unflatten.int",
+    "unsqueeze.default", "squeeze.dim", "squeeze.dims", "squeeze.default", "transpose.int", "t.default",
+    "permute.default", "numpy_T.default", "expand.default", "clone.default", "contiguous.default", "alias.default",
+    "to.dtype", "to.dtype_layout", "_to_copy.default", "select.int", "slice.Tensor", "narrow.default",
+    "split.Tensor", "split_with_sizes.default", "chunk.default", "unbind.int")}
 _ZEROS = {"aten.zeros_like.default", "aten.zeros.default", "aten.new_zeros.default"}
 _FULL = {"aten.full.default": 1, "aten.full_like.default": 1, "aten.new_full.default": 2}
 
@@ -78,7 +85,8 @@ def partial_result(node: Node, rules: RuleContext, placement: Callable[[Any], An
 
 def _summed_anyway(value: Node) -> bool:
     """True when a reader of the pending `value` needs it whole (an op not linear in it, a weight op, the
-    graph's output), so that its all-reduce happens whatever the other readers do."""
+    graph's output), so that its all-reduce happens whatever the other readers do; or when it is read in
+    several places."""
     for u in value.users:
         if u.op != "call_function":
             return True
@@ -87,7 +95,25 @@ def _summed_anyway(value: Node) -> bool:
             return True
         if u.target is not operator.getitem and op_name(u.target) not in _KEEPS:
             return True
-    return False
+    return _exits(value) > 1
+
+
+def _exits(value: Node, limit: int = 64) -> int:
+    """How many ops read `value` or pieces of it (through views, slices, selections and casts): a sum read in
+    several places (x_proj's output cut into dt, B and C, C read token by token) is summed once, at its
+    source, rather than once per piece."""
+    seen, todo, exits = set(), [value], set()
+    while todo and len(seen) < limit:
+        n = todo.pop()
+        for u in n.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            if u.target is operator.getitem or op_name(u.target) in _MOVES:
+                todo.append(u)
+            elif op_name(u.target) not in _SHAPE_ONLY:
+                exits.add(u)
+    return len(exits)
 
 
 def _flat(args: Any) -> list:
