@@ -216,7 +216,8 @@ def _outer_value(node: Node) -> Any:
         val = n.meta.get("val")
         for s in getattr(val, "shape", ()):
             if isinstance(s, torch.SymInt):
-                env = s.node.shape_env.var_to_val
+                shape_env = s.node.shape_env  # torch >= 2.10 names the example values backed_var_to_val
+                env = getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
                 break
     return lambda expr: int(expr) if isinstance(expr, int) else int(sympy.sympify(expr).subs(env))
 
