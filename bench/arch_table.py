@@ -70,10 +70,11 @@ GAPS = {
     "falcon_mamba": (
         "Falcon-Mamba's selective scan runs, without the CUDA kernels, as a Python loop over the tokens, which "
         "torch.export unrolls: the captured graph holds one step per token of the example input, so it runs "
-        "at that length only (`shard` fixes the dim and the rank graphs refuse other lengths with a "
-        "`TPCompileError`). Splitting the blocks also needs rules this compiler lacks: `in_proj`'s output "
-        "chunked into x and z after a transpose, the depthwise `conv1d` by channels, and `x_proj` as a row "
-        "split before the RMSNorms of dt, B and C; today every mixer is replicated (one warning per reason)."),
+        "at that length only (`shard` warns that the dim is fixed, and the rank graphs refuse other lengths "
+        "with a `TPCompileError` whose way out is to shard at the length you run). At that length its blocks "
+        "split as Megatron splits Mamba: `in_proj` a column split in x and z segments, the depthwise `conv1d`, "
+        "`dt_proj`, `A_log` and `D` by inner channels, `x_proj` and `out_proj` row splits, two all-reduces "
+        "per block:"),
 }
 
 
@@ -142,9 +143,11 @@ def render(rows: list[dict], wall_s: float) -> str:
             for r in rows:
                 if r["arch"] == name and "fixed" in r:
                     f = r["fixed"]
+                    others = [w for w in f["warnings"] if "is fixed at" not in w]
                     lines.append(f"  At world size {r['ws']} on a batch of ({RUN[0]}, {EXAMPLE[1]}), the captured length:"
-                                 f" max abs diff {f['diff']:.1e}, held × ws {f['share'] * r['ws']:.2f},"
-                                 f" {len(f['warnings'])} warning(s).")
+                                 f" max abs diff {f['diff']:.1e}, forward collectives {_fmt_counts(f['counts'])},"
+                                 f" held × ws {f['share'] * r['ws']:.2f}, {len(others)} warning(s) besides the"
+                                 f" fixed length.")
     if notes:
         lines += ["", "## Warnings and failures", "", *notes]
     return "\n".join(lines) + "\n"

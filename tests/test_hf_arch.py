@@ -23,16 +23,18 @@ HELD = 1.25
 # falcon (multi-query heads cut from a viewed projection), albert (embedding projection, shared layer),
 # deepseek_v3 (latent attention keys filled into a fresh tensor, experts)
 FAST = ("falcon", "albert", "deepseek_v3")
-GAPS = ("falcon_mamba",)  # docs/architectures.md, Known gaps
-CHECKED = [a for a in NEW_ARCHS if a.name not in GAPS]
+# Falcon-Mamba's scan is a Python loop over the tokens, which the capture unrolls: it runs at the length it was
+# captured with only (docs/architectures.md, Known gaps), so it is checked on another batch of that length.
+FIXED_LENGTH = ("falcon_mamba",)
+CHECKED = [a for a in NEW_ARCHS if a.name not in FIXED_LENGTH]
 
 
-def _check(arch: Arch) -> None:
+def _check(arch: Arch, length: int = 13) -> None:
     model = build(arch)
     torch.manual_seed(1)
     cap = capture(model, example_kwargs=inputs(arch, 2, 8))
     torch.manual_seed(2)
-    kw = inputs(arch, 3, 13)
+    kw = inputs(arch, 3, length)
     with torch.no_grad():
         ref = model(**kw)[arch.output]
     for ws in (2, 4):
@@ -63,18 +65,13 @@ def test_new_architecture_at_2_and_4_ranks_slow(arch: Arch) -> None:
 
 
 @pytest.mark.slow
-def test_falcon_mamba_runs_only_at_its_captured_length() -> None:
-    """Falcon-Mamba's selective scan is a Python loop over the tokens, unrolled by torch.export: the graph runs
-    at the captured length only, and a longer input is refused with the way out."""
+def test_falcon_mamba_splits_and_runs_at_its_captured_length() -> None:
+    """Falcon-Mamba at 2 and 4 ranks: equal on another batch at the captured length, at most 1.25/ws of the
+    parameter bytes per rank, no split warning; a longer input is refused with the way out."""
     arch = next(a for a in NEW_ARCHS if a.name == "falcon_mamba")
-    model = build(arch)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", tpcompile.TPCompileWarning)
-        sm = tpcompile.shard(model, 2, example_kwargs=inputs(arch, 2, 8))
+        warnings.simplefilter("ignore", tpcompile.TPCompileWarning)  # the length the loop fixes (capture)
+        _check(arch, length=8)
+        sm = tpcompile.shard(build(arch), 2, example_kwargs=inputs(arch, 2, 8))
     with pytest.raises(tpcompile.TPCompileError, match="capture fixed that dim at 8"):
         tpcompile.simulate(sm, **inputs(arch, 3, 13))
-    kw = inputs(arch, 3, 8)
-    with torch.no_grad():
-        ref = model(**kw).logits
-        for out in tpcompile.simulate(sm, **kw):
-            torch.testing.assert_close(out.logits, ref, atol=1e-4, rtol=0)

@@ -1,0 +1,168 @@
+"""A selective state-space block (Mamba's dataflow, written out) splits along its inner channels.
+
+`in_proj` is a column split in two segments (x and the gate z, chunked after a transpose), the
+depthwise convolution runs on each rank's channels with its group count made local, `x_proj` is
+a row split whose one all-reduce feeds dt, B and C, `dt_proj` (applied as `W @ dt`) is a column
+split, and `A_log`, `D` and the dt bias are cut like the channels they scale. Each block then
+costs two all-reduces, and each rank holds about 1/world size of the weights.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tpcompile
+from tpcompile.ops import collectives as C
+
+D_MODEL, INNER, STATE, RANK, KERNEL, VOCAB, LAYERS = 32, 64, 8, 8, 3, 48, 2
+
+
+class Mixer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(D_MODEL, 2 * INNER, bias=False)
+        self.conv = nn.Conv1d(INNER, INNER, KERNEL, groups=INNER, padding=KERNEL - 1)
+        self.x_proj = nn.Linear(INNER, RANK + 2 * STATE, bias=False)
+        self.dt_proj = nn.Linear(RANK, INNER)
+        self.A_log = nn.Parameter(torch.randn(INNER, STATE) * 0.5)
+        self.D = nn.Parameter(torch.rand(INNER))
+        self.out_proj = nn.Linear(INNER, D_MODEL, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        xz = self.in_proj(h).transpose(1, 2)  # (B, 2I, T)
+        x, z = xz.chunk(2, dim=1)
+        x = F.silu(self.conv(x)[..., : xz.shape[-1]])
+        dt, b, c = torch.split(self.x_proj(x.transpose(1, 2)), [RANK, STATE, STATE], dim=-1)
+        dt = F.softplus(self.dt_proj.weight @ dt.transpose(1, 2) + self.dt_proj.bias[:, None])  # (B, I, T)
+        a = -torch.exp(self.A_log)
+        decay = torch.exp(a[None, :, None, :] * dt[..., None])  # (B, I, T, N)
+        drive = dt[..., None] * b[:, None] * x[..., None]
+        state = torch.zeros(h.shape[0], INNER, STATE)
+        ys = []
+        for t in range(h.shape[1]):  # the recurrence, one step per token
+            state = decay[:, :, t] * state + drive[:, :, t]
+            ys.append((state @ c[:, t, :, None])[..., 0])
+        y = torch.stack(ys, dim=-1) + x * self.D[None, :, None]
+        return self.out_proj((y * F.silu(z)).transpose(1, 2))
+
+
+class SSM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D_MODEL)
+        self.norms = nn.ModuleList(nn.LayerNorm(D_MODEL) for _ in range(LAYERS))
+        self.mixers = nn.ModuleList(Mixer() for _ in range(LAYERS))
+        self.head = nn.Linear(D_MODEL, VOCAB, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for norm, mixer in zip(self.norms, self.mixers):
+            h = h + mixer(norm(h))
+        return self.head(h)
+
+
+def _held(model: nn.Module, sm: tpcompile.ShardedModel) -> float:
+    local = sum(torch.Size(p.local_shape).numel() for p in sm.plan.parameters.values())
+    return local / sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_state_space_block_splits_by_inner_channels(ws: int) -> None:
+    """Equal at another batch, two all-reduces per block, every mixer weight cut, about 1/ws held."""
+    torch.manual_seed(0)
+    model = SSM().eval()
+    with pytest.warns(tpcompile.TPCompileWarning, match="fixed at 6"):  # the loop over the tokens
+        sm = tpcompile.shard(model, ws, example_inputs=(torch.randint(0, VOCAB, (2, 6)),))
+    assert not sm.plan.warnings
+    ids = torch.randint(0, VOCAB, (3, 6))
+    with torch.no_grad(), C.record() as events:
+        ref = model(ids)
+        outs = tpcompile.simulate(sm, ids)
+    for out in outs:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    forward = [e.op for e in events if e.rank == 0 and e.phase == "forward" and e.op in C.FORWARD_COLLECTIVES]
+    assert forward.count("all_reduce") == 1 + 2 * LAYERS  # the embedding's, then x_proj's and out_proj's
+    roles = {name: p.role for name, p in sm.plan.parameters.items()}
+    for name, role in [("in_proj.weight", "column"), ("conv.weight", "channels"), ("conv.bias", "channels"),
+                       ("x_proj.weight", "row"), ("dt_proj.weight", "column"), ("A_log", "follows"),
+                       ("D", "follows"), ("out_proj.weight", "row")]:
+        assert roles[f"mixers.0.{name}"] == role, (name, roles[f"mixers.0.{name}"])
+    assert sm.plan.parameters["mixers.1.in_proj.weight"].segments == (INNER, INNER)
+    assert _held(model, sm) <= 1.1 / ws
+
+
+def test_state_space_block_runs_at_its_captured_length_only() -> None:
+    """The Python loop over the tokens is unrolled by the capture: another length is refused, with the way out."""
+    torch.manual_seed(0)
+    model = SSM().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tpcompile.TPCompileWarning)
+        sm = tpcompile.shard(model, 2, example_inputs=(torch.randint(0, VOCAB, (2, 6)),))
+    with pytest.raises(tpcompile.TPCompileError, match="capture fixed that dim at 6"):
+        tpcompile.simulate(sm, torch.randint(0, VOCAB, (2, 7)))
+
+
+class Grouped(nn.Module):
+    """A column split, then a grouped convolution (4 groups of 4 channels) and a row split."""
+
+    def __init__(self, groups: int = 4) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.conv = nn.Conv1d(16, 16, 3, groups=groups, padding=1)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(self.up(x).transpose(1, 2)).transpose(1, 2)
+        return self.down(F.gelu(y))
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_grouped_convolution_splits_by_whole_groups(ws: int) -> None:
+    torch.manual_seed(0)
+    model = Grouped().eval()
+    sm = tpcompile.shard(model, ws, example_inputs=(torch.randn(2, 5, 8),))
+    assert sm.plan.modules["conv"] == "channels" and sm.plan.parameters["conv.weight"].local_shape == (16 // ws, 4, 3)
+    x = torch.randn(3, 7, 8)
+    with torch.no_grad():
+        for out in tpcompile.simulate(sm, x):
+            torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_convolution_with_fewer_groups_than_ranks_is_replicated_with_the_reason() -> None:
+    model = Grouped(groups=2).eval()
+    with pytest.warns(tpcompile.TPCompileWarning, match="2 groups over channels split across 4 ranks"):
+        sm = tpcompile.shard(model, 4, example_inputs=(torch.randn(2, 5, 8),))
+    x = torch.randn(3, 7, 8)
+    with torch.no_grad():
+        for out in tpcompile.simulate(sm, x):
+            torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+class FusedGateUp(nn.Module):
+    """A fused gate|up projection whose size along the tokens is read before it is chunked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(8, 32, bias=False)
+        self.down = nn.Linear(16, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up(x)
+        g, u = gu.chunk(2, dim=-1)
+        return self.down(F.silu(g) * u)[:, : gu.shape[1] - 1]
+
+
+def test_a_size_read_of_a_whole_dim_needs_no_gather() -> None:
+    """`gu.shape[1]` of a value split on its features in segments is read locally: the split stays."""
+    torch.manual_seed(0)
+    model = FusedGateUp().eval()
+    sm = tpcompile.shard(model, 2, example_inputs=(torch.randn(2, 5, 8),))
+    assert sm.plan.modules["gate_up"] == "column" and not sm.plan.warnings
+    x = torch.randn(3, 9, 8)
+    with torch.no_grad():
+        for out in tpcompile.simulate(sm, x):
+            torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
