@@ -6,14 +6,19 @@ exactly p contiguous stages with a shortest path over cut points: the nodes of a
 are (blocks covered, stages used), an edge (i, s) -> (j, s + 1) is "stage s runs blocks i..j-1",
 present only when that stage fits in memory with its in-flight microbatches. A 1F1B step takes
 about (m - 1) x the slowest stage + the sum of all stages, and the sum hardly depends on the cut,
-so the best cut minimises the slowest stage first, then the next slowest, and so on: edge
-weights are (p + 1) ** rank(stage time), which makes a path's total compare as its sorted
-stage times do (a path has at most p edges). Edges slower than a known feasible cut are left
-out, which keeps the graph small without losing the optimum.
+so the best cut minimises the slowest stage first, then the next slowest, and so on: a path's
+length is its stage times sorted slowest first, compared as tuples (as edge weights of
+(p + 1) ** rank(stage time) would compare, a path having at most p edges). Dijkstra builds that
+graph as it walks it, and asks for a stage's memory only when the stage would give the shortest
+path yet to its end. Stages slower than a known feasible cut are left out, which keeps the graph
+small without losing the optimum.
 """
 from __future__ import annotations
 
 import bisect
+import heapq
+import itertools
+import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
@@ -69,7 +74,6 @@ def _even_bound(prefix: list[float], send: Sequence[float], stages: int) -> floa
 def partition(graph: nx.DiGraph, stages: int, memory: Optional[StageMemory] = None,
               capacity: float = float("inf")) -> Optional[Partition]:
     """The best cut of the block chain into `stages` stages that each fit `capacity`; None if none fits."""
-    import networkx as nx
     nodes = sorted(graph.nodes(data=True), key=lambda x: x[1]["index"])
     times = [d["time"] for _, d in nodes]
     names = [name for name, _ in nodes]
@@ -86,40 +90,52 @@ def partition(graph: nx.DiGraph, stages: int, memory: Optional[StageMemory] = No
     if memory is not None:
         even_fits = _fits_even(prefix, send, stages, mem, capacity)
     limit = bound * (1 + 1e-9) if even_fits else float("inf")
-    cut = nx.DiGraph()
-    frontier = {0}
-    costs: list[tuple[tuple[int, int], tuple[int, int], float, float]] = []
-    for s in range(stages):
-        nxt: set[int] = set()
-        for i in frontier:
-            last = n - (stages - s - 1)  # leave at least one block for each later stage
-            for j in range(i + 1, last + 1):
-                if s == stages - 1 and j != n:
-                    continue
-                t = _stage_time(prefix, send, i, j)
-                if t > limit:
-                    break  # stage times only grow with j
-                m = mem(i, j, s)
-                if m > capacity:
-                    continue
-                costs.append(((i, s), (j, s + 1), t, m))
-                nxt.add(j)
-        frontier = nxt
-    if not costs:
+
+    source, target = (0, 0), (n, stages)
+    order = itertools.count()
+    fringe: list = [((), next(order), source)]
+    seen: dict[tuple[int, int], tuple] = {source: ()}
+    done: set[tuple[int, int]] = set()
+    how: dict[tuple[int, int], tuple] = {}  # node -> (previous node, stage time, stage memory) on its best path
+    while fringe:
+        length, _, v = heapq.heappop(fringe)
+        if v in done:
+            continue
+        done.add(v)
+        if v == target:
+            break
+        i, s = v
+        start = prefix[i]
+        # stage s runs blocks i..j-1, leaving at least one block for each later stage
+        for j in (n,) if s == stages - 1 else range(i + 1, n - (stages - s - 1) + 1):
+            t = prefix[j] - start + (send[j - 1] if j < n else 0.0)  # _stage_time(prefix, send, i, j)
+            if t > limit:
+                break  # stage times only grow with j
+            u = (j, s + 1)
+            if u in done:
+                continue
+            longer = _with(length, round(t, 12))
+            # the stage's memory matters only to a path that would be the shortest yet to its end
+            if (u not in seen or longer < seen[u]) and (m := mem(i, j, s)) <= capacity:
+                seen[u] = longer
+                heapq.heappush(fringe, (longer, next(order), u))
+                how[u] = (v, t, m)
+    if target not in done:
         return None
-    ranks = {v: r for r, v in enumerate(sorted({round(c[2], 12) for c in costs}))}
-    base = stages + 1
-    for a, b, t, m in costs:
-        cut.add_edge(a, b, weight=base ** ranks[round(t, 12)], time=t, memory=m)
-    if (n, stages) not in cut:
-        return None
-    try:
-        path = nx.dijkstra_path(cut, (0, 0), (n, stages), weight="weight")
-    except nx.NetworkXNoPath:
-        return None
-    edges = [cut.edges[a, b] for a, b in zip(path, path[1:])]
-    bounds = tuple((a[0], b[0]) for a, b in zip(path, path[1:]))
-    return Partition(bounds, tuple(e["time"] for e in edges), tuple(e["memory"] for e in edges))
+    cut = []  # the stages (start, end, time, memory), last first
+    node = target
+    while node != source:
+        prev, t, m = how[node]
+        cut.append((prev[0], node[0], t, m))
+        node = prev
+    cut.reverse()
+    return Partition(tuple((i, j) for i, j, _, _ in cut), tuple(c[2] for c in cut), tuple(c[3] for c in cut))
+
+
+def _with(length: tuple, t: float) -> tuple:
+    """A path length (stage times, slowest first) with one more stage."""
+    k = bisect.bisect_left(length, -t, key=operator.neg)
+    return length[:k] + (t,) + length[k:]
 
 
 def _fits_even(prefix: list[float], send: Sequence[float], stages: int, mem: StageMemory, capacity: float) -> bool:

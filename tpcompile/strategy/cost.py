@@ -88,7 +88,9 @@ def _blocks(profile: ModelProfile, tpp: Optional[TPProfile], cluster: Cluster, l
     t, sp, dt = lay.tp, lay.sequence_parallel and lay.tp > 1, cluster.dtype_bytes
     tp_bw, tp_alpha = cluster.link(t)
     pp_bw, pp_alpha = cluster.link(lay.tp * lay.dp * lay.pp) if lay.pp > 1 else (1.0, 0.0)
-    units = {} if tpp is None else {i: [u for u in tpp.units if u.block == i] for i in range(len(profile.blocks))}
+    units: dict[int, list] = {}  # block -> its units, in tpp.units order
+    for u in tpp.units if tpp is not None else ():
+        units.setdefault(u.block, []).append(u)
     out = _Blocks(*([] for _ in range(11)))  # type: ignore[arg-type]
     for i, blk in enumerate(profile.blocks):
         if tpp is None:
@@ -98,7 +100,7 @@ def _blocks(profile: ModelProfile, tpp: Optional[TPProfile], cluster: Cluster, l
             flops, moved, params = bt.flops, bt.moved + bt.moved_whole / (t if sp else 1), float(bt.params)
             act = bt.act_split + bt.act_whole / (t if sp else 1)
             colls = list(bt.collectives)
-            for u in units[i]:
+            for u in units.get(i, ()):
                 if u.name in lay.replicate:
                     flops += u.flops_full - u.flops_rank
                     moved += u.moved_full - u.moved_rank
@@ -138,14 +140,16 @@ def _collectives(colls: list[Collective], scale: float, t: int, bw: float, alpha
 
 
 def _stage_memory(blocks: _Blocks, cluster: Cluster, lay: Layout, training: bool):
-    """(i, j, s) -> bytes on a GPU of stage s running blocks i..j-1, and its parts."""
+    """(i, j, s) -> bytes on a GPU of stage s running blocks i..j-1 by part (a dict), and (i, j, s) -> their total."""
     dt = cluster.dtype_bytes
     worst_recompute = max((a for a, r in zip(blocks.act, blocks.repeated) if r), default=0.0)
+    names = ("states", "fsdp_gathered", "activations") if training else ("weights", "activations")
+    ranges: dict[tuple[int, int], tuple[float, ...]] = {}  # (i, j) -> what does not depend on the stage
 
-    def parts(i: int, j: int, s: int) -> dict[str, float]:
+    def of_range(i: int, j: int) -> tuple[float, ...]:
         params = sum(blocks.params[i:j])
         if not training:
-            return {"weights": params * dt, "activations": max(blocks.act[i:j], default=0.0)}
+            return params * dt, max(blocks.act[i:j], default=0.0)
         fsdp = lay.data_parallel == "fsdp" and lay.dp > 1
         states = params * STATE_BYTES / (lay.dp if fsdp else 1)
         gathered = 0.0
@@ -156,27 +160,60 @@ def _stage_memory(blocks: _Blocks, cluster: Cluster, lay: Layout, training: bool
                 gathered = params * (dt + GRAD_BYTES)
             else:
                 gathered = FSDP_PREFETCH * max(blocks.params[i:j]) * dt
-        inflight = min(lay.microbatches, lay.pp - s) if lay.pp > 1 else 1
         if lay.recompute:
             kept = sum(blocks.inp[k] if blocks.repeated[k] else blocks.act[k] for k in range(i, j))
             working = worst_recompute if any(blocks.repeated[i:j]) else 0.0
         else:
             kept, working = sum(blocks.act[i:j]), 0.0
-        return {"states": states, "fsdp_gathered": gathered, "activations": kept * inflight + working}
+        return states, gathered, kept, working
 
-    return parts
+    def values(i: int, j: int, s: int) -> tuple[float, ...]:
+        got = ranges.get((i, j))
+        if got is None:
+            got = ranges[i, j] = of_range(i, j)
+        if not training:
+            return got
+        states, gathered, kept, working = got
+        inflight = min(lay.microbatches, lay.pp - s) if lay.pp > 1 else 1
+        return states, gathered, kept * inflight + working
+
+    def parts(i: int, j: int, s: int) -> dict[str, float]:
+        return dict(zip(names, values(i, j, s)))
+
+    def total(i: int, j: int, s: int) -> float:  # sum(values(i, j, s)), asked for most often
+        got = ranges.get((i, j))
+        if got is None:
+            got = ranges[i, j] = of_range(i, j)
+        if not training:
+            return sum(got)
+        inflight = min(lay.microbatches, lay.pp - s) if lay.pp > 1 else 1
+        return sum((got[0], got[1], got[2] * inflight + got[3]))
+
+    return parts, total
 
 
 def estimate(profile: ModelProfile, tpp: Optional[TPProfile], cluster: Cluster, lay: Layout, global_batch: int,
-             training: bool = True) -> Estimate:
-    """The predicted step of one layout (an Estimate whose `fits` says whether it fits in memory)."""
+             training: bool = True, memo: dict | None = None) -> Estimate:
+    """The predicted step of one layout (an Estimate whose `fits` says whether it fits in memory).
+
+    `memo`, a dict kept across the estimates of one profile and cluster, shares the per-block
+    quantities and their block graph (`Estimate.graph`) between layouts that differ only in what
+    those do not read: DDP or FSDP, and dp, pp and microbatches at the same microbatch size, GPU
+    count and whether pp is 1.
+    """
     b = global_batch // (lay.dp * lay.microbatches)
-    blocks = _blocks(profile, tpp, cluster, lay, b, training)
-    parts = _stage_memory(blocks, cluster, lay, training)
+    key = (id(tpp), lay.tp, lay.sequence_parallel, lay.recompute, lay.replicate, lay.pp > 1,
+           lay.tp * lay.dp * lay.pp, b, training)
+    if memo is not None and key in memo:
+        blocks, graph = memo[key]
+    else:
+        blocks = _blocks(profile, tpp, cluster, lay, b, training)
+        graph = block_graph([blk.name for blk in profile.blocks], blocks.time,
+                            [p * STATE_BYTES for p in blocks.params], blocks.act, blocks.send_bytes, blocks.send_s)
+        if memo is not None:
+            memo[key] = blocks, graph
+    parts, mem = _stage_memory(blocks, cluster, lay, training)
     names = [blk.name for blk in profile.blocks]
-    graph = block_graph(names, blocks.time, [p * STATE_BYTES for p in blocks.params], blocks.act,
-                        blocks.send_bytes, blocks.send_s)
-    mem = lambda i, j, s: sum(parts(i, j, s).values())  # noqa: E731
     cut = partition(graph, lay.pp, mem, cluster.usable_memory)
     fits = cut is not None
     if cut is None:  # nothing fits: report the time-balanced cut and how much it needs

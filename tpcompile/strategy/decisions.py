@@ -54,19 +54,31 @@ def _unit_times(u: Unit, profile: ModelProfile, cluster: Cluster, lay: Layout, b
     return saved, spent * lay.microbatches
 
 
+def _priced(u: Unit, profile: ModelProfile, cluster: Cluster, lay: Layout, b: int,
+            training: bool) -> tuple[float, float, str]:
+    """(seconds saved, seconds of collectives, why) of splitting unit u."""
+    saves, costs = _unit_times(u, profile, cluster, lay, b, training)
+    n = len(u.collectives)
+    if saves >= costs:
+        why = (f"split: saves {format_seconds(saves)} per step, its {n} collective{'s' * (n != 1)} "
+               f"cost {format_seconds(costs)}")
+    else:
+        why = (f"replicated: splitting would save {format_seconds(saves)} per step but its {n} "
+               f"collective{'s' * (n != 1)} cost {format_seconds(costs)}")
+    return saves, costs, why
+
+
 def decide(profile: ModelProfile, tpp: TPProfile, cluster: Cluster, lay: Layout, b: int,
            training: bool) -> list[Decision]:
     """One Decision per unit tpcompile split at this degree, and one per module tpcompile kept whole itself."""
     out = []
+    priced: dict[tuple, tuple[float, float, str]] = {}  # units alike in what they cost (one per layer) priced once
     for u in tpp.units:
-        saves, costs = _unit_times(u, profile, cluster, lay, b, training)
-        n = len(u.collectives)
-        if saves >= costs:
-            why = (f"split: saves {format_seconds(saves)} per step, its {n} collective{'s' * (n != 1)} "
-                   f"cost {format_seconds(costs)}")
-        else:
-            why = (f"replicated: splitting would save {format_seconds(saves)} per step but its {n} "
-                   f"collective{'s' * (n != 1)} cost {format_seconds(costs)}")
+        key = (u.flops_full, u.flops_rank, u.moved_full, u.moved_rank, u.params_full, u.params_rank,
+               tuple(u.collectives), profile.blocks[u.block].repeated)
+        if key not in priced:
+            priced[key] = _priced(u, profile, cluster, lay, b, training)
+        saves, costs, why = priced[key]
         out.append(Decision(u.name, saves >= costs, saves, costs, why, u.paths))
     for path, reason in tpp.replicated.items():
         out.append(Decision(path, False, 0.0, 0.0, f"replicated by tpcompile: {reason}", (path,)))

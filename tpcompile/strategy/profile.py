@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Optional
 
 import torch
@@ -57,11 +58,23 @@ class ModelProfile:
     capture_s: float = 0.0
     node_block: dict = field(default_factory=dict)  # captured node -> block index
     param_block: dict = field(default_factory=dict)  # parameter name -> block index (first use)
+    node_costs: dict = field(default_factory=dict)  # node -> its costs no tp degree changes (tp_profile fills it)
 
     @property
     def params(self) -> int:
         """Parameter elements of the whole model."""
         return sum(b.params for b in self.blocks)
+
+    @cached_property
+    def module_blocks(self) -> dict[str, int]:
+        """Module path -> the block of the first node (in graph order) inside that module."""
+        out: dict[str, int] = {}
+        for node, block in self.node_block.items():
+            path = module_path(node)
+            parts = path.split(".") if path else []
+            for k in range(1, len(parts) + 1):
+                out.setdefault(".".join(parts[:k]), block)
+        return out
 
     def block_of_path(self, path: str) -> Optional[int]:
         """The index of the repeated block whose module path covers `path`."""

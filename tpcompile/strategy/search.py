@@ -121,6 +121,7 @@ def search(profile: ModelProfile, tpps: dict[int, TPProfile], cluster: Cluster, 
     best_fit: dict[tuple, Estimate] = {}
     best_any: dict[tuple, Estimate] = {}
     decisions: dict[Layout, list[Decision]] = {}
+    memo: dict = {}  # per-block quantities shared between estimates (cost.estimate)
     priced = 0
     for bound, lay in order:
         mesh = lay.mesh
@@ -129,7 +130,7 @@ def search(profile: ModelProfile, tpps: dict[int, TPProfile], cluster: Cluster, 
         own = best_fit[mesh].step_s if mesh in best_fit else float("inf")
         if bound >= min(own, kth):
             continue
-        est, why = _price(profile, tpps.get(lay.tp), cluster, lay, global_batch, training)
+        est, why = _price(profile, tpps.get(lay.tp), cluster, lay, global_batch, training, memo)
         priced += 1
         decisions[est.layout] = why
         if est.fits and (mesh not in best_fit or simplicity(est) < simplicity(best_fit[mesh])):
@@ -149,17 +150,17 @@ def search(profile: ModelProfile, tpps: dict[int, TPProfile], cluster: Cluster, 
 
 
 def _price(profile: ModelProfile, tpp: Optional[TPProfile], cluster: Cluster, lay: Layout, global_batch: int,
-           training: bool) -> tuple[Estimate, list[Decision]]:
+           training: bool, memo: dict | None = None) -> tuple[Estimate, list[Decision]]:
     """The estimate with the cost model's split-or-replicate decisions, or all split when that is better or fits."""
     if tpp is None or lay.tp == 1:
-        return estimate(profile, tpp, cluster, lay, global_batch, training), []
+        return estimate(profile, tpp, cluster, lay, global_batch, training, memo), []
     b = global_batch // (lay.dp * lay.microbatches)
     why = decide(profile, tpp, cluster, lay, b, training)
     keep = replicated_units(why)
-    split = estimate(profile, tpp, cluster, lay, global_batch, training)
+    split = estimate(profile, tpp, cluster, lay, global_batch, training, memo)
     if not keep:
         return split, why
-    mixed = estimate(profile, tpp, cluster, dataclasses.replace(lay, replicate=keep), global_batch, training)
+    mixed = estimate(profile, tpp, cluster, dataclasses.replace(lay, replicate=keep), global_batch, training, memo)
     if mixed.fits and (not split.fits or mixed.step_s <= split.step_s):
         return mixed, why
     resplit = [Decision(d.unit, True, d.saves_s, d.costs_s, f"split: keeping it whole costs more "

@@ -1,7 +1,8 @@
 """What tensor parallelism at degree t does to each block: tpcompile's own plan and rank-0 collectives, read as costs.
 
 For each degree the captured graph goes through tpcompile's passes (`shard_captured`, the
-plan shard() would make) and rank 0's graph is built; costs are read from what they wrote:
+plan shard() would make) and rank 0's graph is rewritten (the graph alone, as the rank
+verifier's reference is: no GraphModule, no weight slices); costs are read from what they wrote:
 node.meta['tp_placement'] says which matmuls and activations are split, the plan gives each
 parameter's per-rank shape, and each collective node carries its per-rank input shape
 (node.meta['tp_shape']). The passes run on the one captured graph, one degree after another;
@@ -22,6 +23,7 @@ from tpcompile.api import shard_captured
 from tpcompile.errors import TPCompileWarning
 from tpcompile.ops.schedule import graph_schedule
 from tpcompile.passes.pass_context import module_path
+from tpcompile.passes.rewrite import rewrite_graph
 from tpcompile.placement import Shard
 from tpcompile.strategy import node_costs as nc
 from tpcompile.strategy.profile import CAPTURE_BATCH, ModelProfile
@@ -119,14 +121,11 @@ def _find_units(profile: ModelProfile, sm: Any) -> tuple[list[Unit], dict[str, U
 
 
 def _block_of(profile: ModelProfile, path: str) -> int:
-    """The block a module path belongs to (its repeated layer, else the block its nodes were assigned)."""
+    """The block a module path belongs to (its repeated layer, else the block of its first node)."""
     b = profile.block_of_path(path)
     if b is not None:
         return b
-    for node, block in profile.node_block.items():
-        if module_path(node) == path or module_path(node).startswith(path + "."):
-            return block
-    return 0
+    return profile.module_blocks.get(path, 0)
 
 
 def _unit_of(path: str, by_path: dict[str, Unit]) -> Any:
@@ -143,38 +142,40 @@ def tp_profile(profile: ModelProfile, degree: int) -> TPProfile:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TPCompileWarning)
         sm = shard_captured(profile.captured, degree)
-        rank0 = sm.rank(0)
+        rank0 = sm._comm(rewrite_graph(sm.captured, sm._ctx, 0))  # the graph sm.rank(0) wraps
     units, by_path = _find_units(profile, sm)
     blocks = [BlockTP() for _ in profile.blocks]
     live = nc.input_dependent(sm.captured.graph.nodes)
     per = 1.0 / CAPTURE_BATCH
+    facts = profile.node_costs  # what no degree changes, read off each node once
     for node, b in profile.node_block.items():
-        if node not in live or nc.is_view(node):
+        if node not in live:
             continue
-        unit = _unit_of(module_path(node), by_path)
-        split = _split(node.meta.get("tp_placement")) or any(
-            _split(a.meta.get("tp_placement")) for a in node.all_input_nodes)
+        if node not in facts:
+            facts[node] = _node_facts(node)
+        path, view, matmul, cost, size = facts[node]
+        if view:
+            continue
+        unit = _unit_of(path, by_path)
+        placed = _split(node.meta.get("tp_placement"))
+        split = placed or any(_split(a.meta.get("tp_placement")) for a in node.all_input_nodes)
         div = degree if split else 1
-        if nc.is_matmul(node):
-            cost, field_full, field_rank, block_field = nc.matmul_flops(node) * per, "flops_full", "flops_rank", "flops"
+        if matmul:
+            field_full, field_rank, block_field = "flops_full", "flops_rank", "flops"
         else:
-            cost, field_full, field_rank, block_field = nc.moved_elements(node) * per, "moved_full", "moved_rank", "moved"
-        if block_field == "moved" and div == 1:
-            block_field = "moved_whole"
+            field_full, field_rank, block_field = "moved_full", "moved_rank", "moved" if div != 1 else "moved_whole"
         setattr(blocks[b], block_field, getattr(blocks[b], block_field) + cost / div)
-        if nc.is_float(node):
-            size = nc.numel(node.meta.get("val")) * per
-            if _split(node.meta.get("tp_placement")):
+        if size is not None:
+            if placed:
                 blocks[b].act_split += size / degree
             else:
                 blocks[b].act_whole += size
         if unit is not None:
             setattr(unit, field_full, getattr(unit, field_full) + cost)
             setattr(unit, field_rank, getattr(unit, field_rank) + cost / div)
-            if nc.is_float(node):
-                size = nc.numel(node.meta.get("val")) * per
+            if size is not None:
                 unit.act_full += size
-                unit.act_rank += size / degree if _split(node.meta.get("tp_placement")) else size
+                unit.act_rank += size / degree if placed else size
     for name, pp in sm.plan.parameters.items():
         b = _block_of_param(profile, name, pp.tied)
         full, local = math.prod(pp.global_shape), math.prod(pp.local_shape)
@@ -194,6 +195,17 @@ def tp_profile(profile: ModelProfile, degree: int) -> TPProfile:
         else:
             blocks[_block_of(profile, path) if path else len(blocks) - 1].collectives.append(coll)
     return TPProfile(degree, blocks, units, dict(sm.plan.replicated))
+
+
+def _node_facts(node: Any) -> tuple[str, bool, bool, float, float | None]:
+    """(module path, view, matmul, FLOPs or elements moved per sample, float elements per sample or None)."""
+    if nc.is_view(node):
+        return "", True, False, 0.0, None
+    per = 1.0 / CAPTURE_BATCH
+    matmul = nc.is_matmul(node)
+    cost = (nc.matmul_flops(node) if matmul else nc.moved_elements(node)) * per
+    size = nc.numel(node.meta.get("val")) * per if nc.is_float(node) else None
+    return module_path(node), False, matmul, cost, size
 
 
 def _block_of_param(profile: ModelProfile, name: str, tied: tuple[str, ...]) -> int:
