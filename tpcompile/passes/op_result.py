@@ -50,9 +50,10 @@ def op_result(node: Node, rules: RuleContext, placement: Any) -> Result:
         return Result(out, [])
     res = Result(REPLICATE, [Want(i, REPLICATE) for i in tensors])
     if node.target is torch.ops.aten.sym_size.int and isinstance(placement(node.args[0]), Shard):
-        ndim = len(rules.shape(node.args[0]) or ()) or 1
-        if placement(node.args[0]).dim != node.args[1] % ndim:
-            return Result(REPLICATE, [Want(node.args[0], placement(node.args[0]))])  # a whole dim: read locally
+        p, ndim = placement(node.args[0]), len(rules.shape(node.args[0]) or ()) or 1
+        d = node.args[1] % ndim
+        if p.dim != d and not (p.split_next and d == p.dim + 1):
+            return Result(REPLICATE, [Want(node.args[0], p)])  # a whole dim: read locally
         res.conflict = "size of a sharded dim"
         return res
     if not rules.all_replicated(tensors):

@@ -215,7 +215,7 @@ class Sweep:
             if sl is not None:
                 self.ctx.param_seeds[target] = frozenset(by_slice[sl])
         for target, wished in self.wishes.items():  # cut where every reader wants the same slice
-            if target not in self.requests and len(wished) == 1:
+            if target not in self.requests and len(wished) == 1 and len(self.ctx.aliases(target)) == 1:
                 sl, seeds = next(iter(wished.items()))
                 self.ctx.param_slices[target], self.ctx.param_seeds[target] = sl, frozenset(seeds)
         for node in self.gm.graph.nodes:  # reads outside the weight ops must see the cut they will get
