@@ -6,8 +6,8 @@ wanted split by that op. Read whole, each rank would hold all of it and cut its 
 time. When the parameter reaches that op only through ops that keep its elements in place (casts,
 unary elementwise ops, unsqueeze, squeeze, transpose), each with no other reader, the parameter
 is stored cut instead, and the ops before the reader run on the slice. Such a cut is a wish, not
-a demand: it is made only when every wish for the parameter agrees and no weight op cuts it
-(Sweep.settle_parameters), so it never creates a conflict.
+a demand: it is made only when every wish for the parameter agrees, no weight op cuts it and
+the parameter has one name (not tied) (Sweep.settle_parameters), so it never creates a conflict.
 """
 from __future__ import annotations
 
