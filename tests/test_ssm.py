@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from hf_models import held_share
 from torch import nn
 
 import tpcompile
@@ -65,11 +66,6 @@ class SSM(nn.Module):
         return self.head(h)
 
 
-def _held(model: nn.Module, sm: tpcompile.ShardedModel) -> float:
-    local = sum(torch.Size(p.local_shape).numel() for p in sm.plan.parameters.values())
-    return local / sum(p.numel() for p in model.parameters())
-
-
 @pytest.mark.parametrize("ws", [2, 4])
 def test_state_space_block_splits_by_inner_channels(ws: int) -> None:
     """Equal at another batch, two all-reduces per block, every mixer weight cut, about 1/ws held."""
@@ -92,7 +88,7 @@ def test_state_space_block_splits_by_inner_channels(ws: int) -> None:
                        ("D", "follows"), ("out_proj.weight", "row")]:
         assert roles[f"mixers.0.{name}"] == role, (name, roles[f"mixers.0.{name}"])
     assert sm.plan.parameters["mixers.1.in_proj.weight"].segments == (INNER, INNER)
-    assert _held(model, sm) <= 1.1 / ws
+    assert held_share(model, sm) <= 1.1 / ws
 
 
 def test_state_space_block_runs_at_its_captured_length_only() -> None:

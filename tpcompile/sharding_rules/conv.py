@@ -18,8 +18,8 @@ from torch.fx import Node
 
 from tpcompile.placement import PARTIAL, REPLICATE, ParamSlice, Replicate, Shard
 from tpcompile.sharding_rules.registry import rule
-from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want
-from tpcompile.sharding_rules.table import RuleSpec, op_name
+from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, param_behind
+from tpcompile.sharding_rules.table import RuleSpec
 
 
 def _arg(node: Node, i: Optional[int], default: Any = None) -> Any:
@@ -57,31 +57,15 @@ def weight_conv(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
                   conflict=f"input is split as {px}, not on its channels (dim 1)")
 
 
-_VIEWS = ("aten.squeeze.dim", "aten.unsqueeze.default", "aten.to.dtype", "aten._to_copy.default")
-
-
-def _param_behind(w: Any, ctx: RuleContext) -> Optional[Node]:
-    """The parameter a convolution weight reads, directly or through squeezes, unsqueezes and casts that keep
-    its output channels in dim 0."""
-    n = w
-    for _ in range(4):
-        if not isinstance(n, Node) or ctx.param(n) is not None:
-            break
-        if n.op != "call_function" or op_name(n.target) not in _VIEWS or not n.args:
-            return None
-        if "squeeze" in op_name(n.target) and n.args[1] % max(1, len(ctx.shape(n.args[0]) or ())) == 0:
-            return None
-        n = n.args[0]
-    return n if isinstance(n, Node) and ctx.param(n) is not None else None
-
-
 def _grouped(node: Node, spec: RuleSpec, ctx: RuleContext, tensors: list) -> Result:
     """groups > 1: each rank convolves the whole groups of its input channels (weight and bias cut on dim 0)."""
     x, w, b = (_arg(node, spec.get(k)) for k in ("input", "weight", "bias"))
     whole = [Want(n, REPLICATE) for n in tensors]
     if ctx.all_replicated(tensors):
         return Result(REPLICATE, whole)
-    px, groups, src = ctx.placement(x), _arg(node, spec.get("groups_arg")), _param_behind(w, ctx)
+    found = param_behind(w, 0, depth=5)  # the parameter, its output channels still in dim 0
+    src = found[0] if found is not None and found[1] == 0 and ctx.param(found[0]) is not None else None
+    px, groups = ctx.placement(x), _arg(node, spec.get("groups_arg"))
     if isinstance(px, Replicate) or ctx.demoted(node):  # whole (a weight an earlier round cut is read whole)
         return Result(REPLICATE, whole, role="replicated", params={} if src is None else {src: None})
     if src is None:

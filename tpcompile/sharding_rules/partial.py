@@ -47,13 +47,11 @@ _SHAPE_ONLY = {f"aten.{n}" for n in (
     "empty_like.default", "full_like.default", "new_zeros.default", "new_ones.default", "new_empty.default",
     "new_full.default", "_assert_tensor_metadata.default")}
 _KEEPS = _FIRST | set(_ONE) | set(_JOINT) | _SHAPE_ONLY  # ops that may keep a sum pending
-# Ops that move a value's entries without combining them (each output entry is one input entry).
-_MOVES = {f"aten.{n}" for n in (
-    "view.default", "reshape.default", "_unsafe_view.default", "flatten.using_ints", "unflatten.int",
-    "unsqueeze.default", "squeeze.dim", "squeeze.dims", "squeeze.default", "transpose.int", "t.default",
-    "permute.default", "numpy_T.default", "expand.default", "clone.default", "contiguous.default", "alias.default",
-    "to.dtype", "to.dtype_layout", "_to_copy.default", "select.int", "slice.Tensor", "narrow.default",
-    "split.Tensor", "split_with_sizes.default", "chunk.default", "unbind.int")}
+# Ops that move a value's entries without combining them (each output entry is one input entry): the ops linear
+# in argument 0 but those that scale, reduce, repeat or gather.
+_MOVES = _FIRST - {f"aten.{n}" for n in (
+    "neg.default", "mul.Scalar", "div.Scalar", "sum.dim_IntList", "sum.default", "mean.dim", "repeat.default",
+    "repeat_interleave.self_int", "dropout.default", "index.Tensor", "index_select.default", "gather.default")}
 _ZEROS = {"aten.zeros_like.default", "aten.zeros.default", "aten.new_zeros.default"}
 _FULL = {"aten.full.default": 1, "aten.full_like.default": 1, "aten.new_full.default": 2}
 

@@ -147,6 +147,56 @@ def weight_view(arg: Any) -> tuple[Optional[Node], bool]:
     return src, True
 
 
+# Ops whose output entry k is input entry k, moved at most (casts, unary elementwise ops, unsqueeze, squeeze,
+# transpose): a slice of the output is the op on a slice of the input.
+_ENTRYWISE = {"aten.to.dtype", "aten._to_copy.default", "aten.clone.default", "aten.detach.default",
+              "aten.alias.default", "aten.exp.default", "aten.neg.default", "aten.sigmoid.default",
+              "aten.tanh.default", "aten.abs.default"}
+
+
+def readers(node: Node) -> list[Node]:
+    """The users of node that read its values (metadata assertions and size reads aside)."""
+    skip = (torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten.sym_size.int)
+    return [u for u in node.users if u.target not in skip]
+
+
+def _input_dim(node: Node, d: int) -> Optional[int]:
+    """The dim of node's first input that dim d of its output holds (None where no input dim does)."""
+    name, args = op_name(node.target), node.args
+    if name in _ENTRYWISE:
+        return d
+    ndim = node.meta["val"].dim()
+    if name == "aten.unsqueeze.default":
+        k = args[1] % ndim
+        return None if k == d else d - (k < d)
+    if name == "aten.squeeze.dim":
+        return d + (args[1] % args[0].meta["val"].dim() <= d)
+    if name == "aten.transpose.int":
+        a, b = args[1] % ndim, args[2] % ndim
+        return b if d == a else a if d == b else d
+    return None
+
+
+def param_behind(node: Any, d: int, sole: bool = False, depth: int = 8) -> Optional[tuple[Node, int]]:
+    """(the get_attr node `node` reads through fewer than `depth` entry-wise ops, the dim of it that dim d of
+    `node` holds), else None; with `sole`, each value on the way (the get_attr included) has no other reader."""
+    for _ in range(depth):
+        if not isinstance(node, Node):
+            return None
+        if node.op == "get_attr":
+            return (node, d) if not sole or len(readers(node)) == 1 else None
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], Node) \
+                or any(isinstance(a, Node) for a in node.args[1:]):
+            return None
+        if sole and len(readers(node.args[0])) != 1:
+            return None
+        d = _input_dim(node, d)
+        if d is None:
+            return None
+        node = node.args[0]
+    return None
+
+
 def flat_tokens(node: Node, shape: Sequence[Size]) -> Optional[Size]:
     """The batch size B when a 2-D value's first dim is a model input's batch x tokens, (B*T, C) (GPT-2's Conv1D
     and OPT flatten the tokens before a projection), else None."""

@@ -13,6 +13,8 @@ set, and the activations of the microbatches in flight (divided by tp under sequ
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
@@ -144,9 +146,9 @@ def _stage_memory(blocks: _Blocks, cluster: Cluster, lay: Layout, training: bool
     dt = cluster.dtype_bytes
     worst_recompute = max((a for a, r in zip(blocks.act, blocks.repeated) if r), default=0.0)
     names = ("states", "fsdp_gathered", "activations") if training else ("weights", "activations")
-    ranges: dict[tuple[int, int], tuple[float, ...]] = {}  # (i, j) -> what does not depend on the stage
 
-    def of_range(i: int, j: int) -> tuple[float, ...]:
+    @functools.cache
+    def of_range(i: int, j: int) -> tuple[float, ...]:  # what does not depend on the stage
         params = sum(blocks.params[i:j])
         if not training:
             return params * dt, max(blocks.act[i:j], default=0.0)
@@ -168,9 +170,7 @@ def _stage_memory(blocks: _Blocks, cluster: Cluster, lay: Layout, training: bool
         return states, gathered, kept, working
 
     def values(i: int, j: int, s: int) -> tuple[float, ...]:
-        got = ranges.get((i, j))
-        if got is None:
-            got = ranges[i, j] = of_range(i, j)
+        got = of_range(i, j)
         if not training:
             return got
         states, gathered, kept, working = got
@@ -180,14 +180,8 @@ def _stage_memory(blocks: _Blocks, cluster: Cluster, lay: Layout, training: bool
     def parts(i: int, j: int, s: int) -> dict[str, float]:
         return dict(zip(names, values(i, j, s)))
 
-    def total(i: int, j: int, s: int) -> float:  # sum(values(i, j, s)), asked for most often
-        got = ranges.get((i, j))
-        if got is None:
-            got = ranges[i, j] = of_range(i, j)
-        if not training:
-            return sum(got)
-        inflight = min(lay.microbatches, lay.pp - s) if lay.pp > 1 else 1
-        return sum((got[0], got[1], got[2] * inflight + got[3]))
+    def total(i: int, j: int, s: int) -> float:
+        return sum(values(i, j, s))
 
     return parts, total
 
