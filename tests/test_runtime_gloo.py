@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from tpcompile.errors import TPCompileError
 from tpcompile.ops import collectives as C
+from tpcompile.runtime import backends
 from tpcompile.runtime import DEFAULT_TIMEOUT_S, collective_timeout, free_port, init_from_env, launch
 
 pytestmark = pytest.mark.gloo
@@ -122,6 +123,15 @@ def test_init_from_env_and_collectives_in_process(monkeypatch: pytest.MonkeyPatc
         assert [(e.op, e.phase) for e in events] == [
             ("all_gather", "forward"), ("reduce_scatter", "backward"), ("all_reduce", "backward")]
         assert (C.world_size_of("default"), C.rank_of("tp")) == (1, 0)
+        # a one-rank group has nothing to exchange: every op returns a fresh copy without calling gloo
+        for fn in ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor"):
+            monkeypatch.setattr(dist, fn, lambda *a, _fn=fn, **k: pytest.fail(f"dist.{_fn} on a one-rank group"))
+        for fn in ("_gather_single", "_scatter_single"):
+            monkeypatch.setattr(backends, fn, lambda *a, _fn=fn, **k: pytest.fail(f"{_fn} on a one-rank group"))
+        w = torch.arange(6.0).reshape(2, 3)
+        for out in (C.all_reduce(w, "tp"), C.all_gather(w, 0, "tp"), C.reduce_scatter(w, 1, "tp")):
+            torch.testing.assert_close(out, w)
+            assert out.data_ptr() != w.data_ptr()
         with pytest.raises(TPCompileError, match="no process group registered under 'other'"):
             C.all_reduce(x, "other")
     finally:

@@ -46,12 +46,15 @@ class DistBackend:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the group into a fresh tensor."""
         out = x.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, group=self.pg)
+        if self.world_size > 1:  # a group of one rank (the hybrid runtime at tp = 1) has nothing to exchange
+            dist.all_reduce(out, group=self.pg)
         return out
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Concatenate every rank's x along dim."""
         x = x.contiguous()
+        if self.world_size == 1:
+            return x.clone()
         if dim == 0:
             out = x.new_empty((x.shape[0] * self.world_size, *x.shape[1:]))
             _gather_single(out, x, group=self.pg)
@@ -62,6 +65,8 @@ class DistBackend:
 
     def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Sum x over the group and keep this rank's chunk along dim."""
+        if self.world_size == 1:
+            return x.clone(memory_format=torch.contiguous_format)
         shape = list(x.shape)
         shape[dim] //= self.world_size
         out = x.new_empty(shape)

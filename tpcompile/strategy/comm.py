@@ -30,15 +30,10 @@ class Cost(NamedTuple):
 ZERO = Cost(0.0, 0.0)
 
 
-def _alone(n: float, alpha: float) -> Cost:
-    """A collective over one rank moves nothing, but the call still runs (tpcompile's graphs at tp = 1 keep theirs)."""
-    return ZERO if n <= 0 else Cost(alpha, 0.0)
-
-
 def all_reduce(n: float, p: int, bw: float, alpha: float) -> Cost:
     """Ring all-reduce of n bytes over p ranks."""
     if p <= 1 or n <= 0:
-        return _alone(n, alpha)
+        return ZERO  # over one rank (tp = 1) the call only copies
     sent = 2.0 * (p - 1) / p * n
     return Cost(2 * (p - 1) * alpha + sent / bw, sent)
 
@@ -46,7 +41,7 @@ def all_reduce(n: float, p: int, bw: float, alpha: float) -> Cost:
 def all_gather(n: float, p: int, bw: float, alpha: float) -> Cost:
     """Ring all-gather (or reduce-scatter) whose whole result is n bytes."""
     if p <= 1 or n <= 0:
-        return _alone(n, alpha)
+        return ZERO  # over one rank (tp = 1) the call only copies
     sent = (p - 1) / p * n
     return Cost((p - 1) * alpha + sent / bw, sent)
 
