@@ -145,6 +145,18 @@ def test_step_parts_add_up_and_bubble(gpt_profile) -> None:
         pytest.approx(8 * max(stage_times))
 
 
+def test_step_overhead_once_per_training_step(gpt_profile) -> None:
+    """The cluster's step_overhead is added once to a training step, whatever the microbatches; not to inference."""
+    import dataclasses
+    slow = dataclasses.replace(FAST, step_overhead=0.05)
+    for lay in (Layout(1, 1, 1, 1), Layout(1, 2, 4, 8)):
+        assert estimate(gpt_profile, None, slow, lay, 32).step_s - estimate(gpt_profile, None, FAST, lay, 32).step_s \
+            == pytest.approx(0.05, rel=1e-6)
+    lay = Layout(1, 1, 1, 1)
+    assert estimate(gpt_profile, None, slow, lay, 32, training=False).step_s == \
+        pytest.approx(estimate(gpt_profile, None, FAST, lay, 32, training=False).step_s)
+
+
 def test_runtime_overheads_per_microbatch_and_fsdp_call(gpt_profile) -> None:
     """Every stage pays microbatch_overhead per microbatch (bubble included); FSDP pays fsdp_overhead per block and call."""
     import dataclasses
@@ -242,3 +254,38 @@ def test_this_machine_reads_the_cache(tmp_path, monkeypatch: pytest.MonkeyPatch)
     assert two.efficiency == pytest.approx(0.5) and two.matmul_rate == pytest.approx(5e10)
     assert four.matmul_rate == pytest.approx(2.5e10) and four.op_overhead == pytest.approx(2e-5)
     assert two.microbatch_overhead == pytest.approx(0.03) and four.fsdp_overhead == pytest.approx(0.008)
+
+
+def test_this_machine_slows_compute_by_the_measured_contention(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rank computes at the rates measured alone; with every core running a rank, matmuls and memory-bound ops
+    run at the rates measured with all cores busy (in between: linear in the busy cores); the step overhead is
+    paid once per training step, not per microbatch, and not in inference."""
+    monkeypatch.setenv("TPCOMPILE_CACHE_DIR", str(tmp_path))
+    data = {"matmul_flops": 5e10, "memory_bw": 1e10, "op_overhead": 1e-5, "alpha": 2e-5, "bandwidth": 1e9,
+            "nominal_flops": 1e11, "cores": 4, "matmul_contention": 1.3, "memory_contention": 2.5,
+            "step_overhead": 0.02}
+    (tmp_path / "calibration.json").write_text(json.dumps({calibrate._fingerprint(): data}))
+    one, three, four = (calibrate.this_machine(r) for r in (1, 3, 4))
+    assert one.matmul_rate == pytest.approx(5e10) and one.memory_bw == pytest.approx(1e10)
+    assert three.matmul_rate == pytest.approx(5e10 / 1.2) and three.memory_bw == pytest.approx(1e10 / 2.0)
+    assert four.matmul_rate == pytest.approx(5e10 / 1.3) and four.memory_bw == pytest.approx(1e10 / 2.5)
+    assert four.step_overhead == pytest.approx(0.02) and calibrate.this_machine(8).step_overhead == pytest.approx(0.04)
+
+
+def test_this_machine_takes_gloo_latency_measured_at_the_most_ranks_not_above(tmp_path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks 2-3 get the 2-process latency, 4 the 4-process one, 8 the 4-process one times the extra sharing;
+    a calibration without them scales the 2-process numbers as before."""
+    monkeypatch.setenv("TPCOMPILE_CACHE_DIR", str(tmp_path))
+    data = {"matmul_flops": 5e10, "memory_bw": 1e10, "op_overhead": 1e-5, "alpha": 2e-4, "bandwidth": 1e9,
+            "nominal_flops": 1e11, "cores": 2, "alpha_2": 2e-4, "bandwidth_2": 1e9, "alpha_4": 3e-3,
+            "bandwidth_4": 4e8}
+    (tmp_path / "calibration.json").write_text(json.dumps({calibrate._fingerprint(): data}))
+    two, three, four, eight = (calibrate.this_machine(r) for r in (2, 3, 4, 8))
+    assert two.intra_latency == pytest.approx(2e-4) and two.intra_bw == pytest.approx(1e9)
+    assert three.intra_latency == pytest.approx(2e-4 * 1.5)
+    assert four.intra_latency == pytest.approx(3e-3) and four.intra_bw == pytest.approx(4e8)
+    assert eight.intra_latency == pytest.approx(6e-3) and eight.intra_bw == pytest.approx(2e8)
+    old = {k: v for k, v in data.items() if not k[-2:] in ("_2", "_4")}
+    (tmp_path / "calibration.json").write_text(json.dumps({calibrate._fingerprint(): old}))
+    assert calibrate.this_machine(4).intra_latency == pytest.approx(4e-4)

@@ -1,12 +1,19 @@
 """This machine as a cluster: one CPU process per rank, rates measured once and cached.
 
-A short measurement (about half a minute, run the first time it is asked for and then read from
+A short measurement (about a minute, run the first time it is asked for and then read from
 `$TPCOMPILE_CACHE_DIR/calibration.json`, default ~/.cache/tpcompile): single-threaded matmul
 FLOP/s (its ratio to the core's nominal peak, from /proc/cpuinfo, is the efficiency factor),
-memory bandwidth of an elementwise op, the overhead of one op in forward and backward, gloo's
-latency and bandwidth between two processes on 127.0.0.1, and the hybrid runtime's own overhead
-per microbatch and per FSDP call (a small GPT trained in one process). With more ranks than
-cores, the ranks share the cores and every rate is divided accordingly.
+memory bandwidth of an elementwise op, how much slower both run when every core runs one (cores
+of a VM or of one socket share caches, memory and sometimes a physical core), the overhead of one
+op in forward and backward, gloo's
+bandwidth and latency on 127.0.0.1 at 2 and at 4 processes, and the hybrid runtime's own
+overhead per step, per microbatch and per FSDP call (a small GPT trained in one process). The latency is
+that of ranks that compute between their collectives, as a training step's ranks do: a rank
+then waits until every peer has been scheduled, which costs milliseconds once the processes
+outnumber the free cores, where idle ranks answer in a tenth of one. With more ranks than cores,
+the ranks share the cores and every rate is divided accordingly; from 2 ranks on, the compute
+rates are slowed by the measured contention (in full once every core runs a rank); gloo's numbers at a number of
+ranks are those measured at the most ranks not above it (divided likewise beyond them).
 """
 from __future__ import annotations
 
@@ -22,7 +29,8 @@ import torch
 
 from tpcompile.strategy.cluster import Cluster
 
-VERSION = 3
+VERSION = 5
+GLOO_RANKS = (2, 4)  # the process counts gloo is measured at
 
 
 def cache_path() -> Path:
@@ -99,33 +107,92 @@ def measure_compute() -> dict[str, float]:
     return {"matmul_flops": mm, "memory_bw": bw, "op_overhead": op}
 
 
+def _loop_seconds() -> tuple[float, float]:
+    """Mean seconds of a mid-sized matmul and of a large elementwise add, over about half a second each."""
+    torch.set_num_threads(1)
+    a, b = torch.randn(512, 128), torch.randn(128, 384)
+    x, y = torch.randn(1 << 20), torch.randn(1 << 20)
+
+    def mean(fn: Callable[[], Any], n: int) -> float:
+        fn()
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - start) / n
+
+    return mean(lambda: torch.mm(a, b), 600), mean(lambda: torch.add(x, y), 300)
+
+
+def _contention_rank(start: Any, out: Any) -> None:
+    start.wait()
+    out.put(_loop_seconds())
+
+
+def measure_contention(cores: int) -> dict[str, float]:
+    """How much slower matmuls and memory-bound ops run when every core runs one (factors >= 1).
+
+    The same loops run alone, then in `cores` processes at once; cores that share caches,
+    memory bandwidth or a physical core (a VM's vCPUs) slow each other down.
+    """
+    if cores <= 1:
+        return {"matmul_contention": 1.0, "memory_contention": 1.0}
+    import torch.multiprocessing as mp
+    alone = _loop_seconds()
+    ctx = mp.get_context("spawn")
+    queue, start = ctx.Queue(), ctx.Barrier(cores)  # they start together once every one has imported torch
+    procs = [ctx.Process(target=_contention_rank, args=(start, queue), daemon=True) for _ in range(cores)]
+    for p in procs:
+        p.start()
+    try:
+        got = [queue.get(timeout=120) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+    mm, mem = (sorted(g[k] for g in got)[len(got) // 2] for k in (0, 1))
+    return {"matmul_contention": max(1.0, mm / alone[0]), "memory_contention": max(1.0, mem / alone[1])}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _gloo_rank(rank: int, port: int, out: Any) -> None:
+def _busy_collectives(fn: Callable[[], Any], repeats: int) -> float:
+    """Median seconds of fn() when the rank computes (a few ms of matmuls) before each call, as in a step."""
+    a = torch.randn(256, 256)
+    times = []
+    for _ in range(repeats + 1):
+        for _ in range(10):
+            torch.mm(a, a)
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times[1:])[repeats // 2]
+
+
+def _gloo_rank(rank: int, world: int, port: int, out: Any) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         small, big = torch.zeros(1), torch.zeros(1 << 20)
         t_small = _best(lambda: dist.all_reduce(small), 30)
         t_big = _best(lambda: dist.all_reduce(big), 8)
+        t_busy = _busy_collectives(lambda: dist.all_reduce(small), 30)
         if rank == 0:
-            out.put({"t_small": t_small, "t_big": t_big, "big_bytes": 4 * (1 << 20)})
+            out.put({"t_small": t_small, "t_big": t_big, "t_busy": t_busy, "big_bytes": 4 * (1 << 20)})
     finally:
         dist.destroy_process_group()
 
 
-def measure_gloo() -> dict[str, float]:
-    """gloo all-reduce latency per ring step and bandwidth between two local processes."""
+def measure_gloo(world: int = 2) -> dict[str, float]:
+    """gloo all-reduce latency per ring step (between computing ranks) and bandwidth, `world` local processes."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_gloo_rank, args=(r, port, queue), daemon=True) for r in range(2)]
+    procs = [ctx.Process(target=_gloo_rank, args=(r, world, port, queue), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -133,10 +200,10 @@ def measure_gloo() -> dict[str, float]:
     finally:
         for p in procs:
             p.join(timeout=30)
-    # a 2-rank ring all-reduce is 2 steps and moves n bytes per rank
-    alpha = got["t_small"] / 2
-    bw = got["big_bytes"] / max(got["t_big"] - got["t_small"], 1e-9)
-    return {"alpha": alpha, "bandwidth": bw}
+    # a ring all-reduce over p ranks is 2 (p - 1) steps and moves 2 (p - 1) / p x n bytes per rank
+    steps = 2 * (world - 1)
+    bw = got["big_bytes"] * steps / world / max(got["t_big"] - got["t_small"], 1e-9)
+    return {"alpha": got["t_busy"] / steps, "bandwidth": bw, "alpha_idle": got["t_small"] / steps}
 
 
 def _runtime_rank(port: int, out: Any) -> None:
@@ -195,19 +262,21 @@ def measure_runtime(partial: dict[str, float]) -> dict[str, float]:
         got = queue.get(timeout=600)
     finally:
         proc.join(timeout=30)
-    base = _cluster(partial, 1, {"microbatch_overhead": 0.0, "fsdp_overhead": 0.0})
+    base = _cluster(partial, 1, {"microbatch_overhead": 0.0, "fsdp_overhead": 0.0, "step_overhead": 0.0})
     with torch.device("meta"):
         model = GPT(GPTConfig(**RUNTIME_GPT))
     profile = build_profile(model, example_inputs=(torch.ones(RUNTIME_BATCH, dtype=torch.long, device="meta"),),
                             seq_len=RUNTIME_BATCH[1])
     from tpcompile.strategy.tp_profile import tp_profile
-    tpp = tp_profile(profile, 1)  # the runtime's graphs at tp = 1 still call their collectives
+    tpp = tp_profile(profile, 1)  # the runtime runs the degree-1 graphs, as at every tp
     pred = {f"{kind}{m}": estimate(profile, tpp, base, Layout(1, 1, 1, m, data_parallel=kind),
                                    RUNTIME_BATCH[0]).step_s for m, kind in RUNTIME_RUNS}
     per_mb = max(0.0, ((got["ddp4"] - got["ddp1"]) - (pred["ddp4"] - pred["ddp1"])) / 3)
     units = len(profile.blocks) * 3  # one FSDP unit per block: gather in forward, in backward, reduce once
     per_fsdp = max(0.0, ((got["fsdp1"] - got["ddp1"]) - (pred["fsdp1"] - pred["ddp1"])) / units)
-    return {"microbatch_overhead": per_mb, "fsdp_overhead": per_fsdp, **{f"runtime_{k}": v for k, v in got.items()}}
+    per_step = max(0.0, got["ddp1"] - pred["ddp1"] - per_mb)  # what one microbatch's step still leaves out
+    return {"microbatch_overhead": per_mb, "fsdp_overhead": per_fsdp, "step_overhead": per_step,
+            **{f"runtime_{k}": v for k, v in got.items()}}
 
 
 def calibration(refresh: bool = False) -> dict[str, float]:
@@ -220,8 +289,12 @@ def calibration(refresh: bool = False) -> dict[str, float]:
         cached = {}
     if not refresh and isinstance(cached.get(key), dict):
         return cached[key]
-    data: dict[str, Any] = {**measure_compute(), **measure_gloo(), "nominal_flops": nominal_flops(),
+    data: dict[str, Any] = {**measure_compute(), **measure_contention(_cores()), **measure_gloo(),
+                            "nominal_flops": nominal_flops(),
                             "cores": _cores(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    for world in GLOO_RANKS:
+        got = measure_gloo(world) if world != 2 else data
+        data[f"alpha_{world}"], data[f"bandwidth_{world}"] = got["alpha"], got["bandwidth"]
     data.update(measure_runtime(data))
     cached[key] = data
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -239,15 +312,39 @@ def _cluster(cal: dict[str, Any], ranks: int, overrides: dict[str, float], memor
     share = max(1.0, ranks / cal["cores"])
     nominal = cal["nominal_flops"] or cal["matmul_flops"]
     total = memory if memory is not None else _memory_bytes()
-    fields = {"microbatch_overhead": cal.get("microbatch_overhead", 0.0), "fsdp_overhead": cal.get("fsdp_overhead", 0.0),
-              **overrides}
-    return Cluster(gpus=ranks, gpus_per_node=ranks, gpu_memory=total / ranks, intra_bw=cal["bandwidth"] / share,
-                   inter_bw=cal["bandwidth"] / share, flops=nominal / share,
-                   efficiency=min(1.0, cal["matmul_flops"] / nominal), memory_bw=cal["memory_bw"] / share,
-                   intra_latency=cal["alpha"] * share, inter_latency=cal["alpha"] * share,
+    fields = {k: cal.get(k, 0.0) for k in ("microbatch_overhead", "fsdp_overhead", "step_overhead")}
+    fields.update(overrides)
+    alpha, bw, more = _gloo_at(cal, ranks)
+    mm_slow, mem_slow = (_contended(cal.get(k, 1.0), ranks, cal["cores"])
+                         for k in ("matmul_contention", "memory_contention"))
+    return Cluster(gpus=ranks, gpus_per_node=ranks, gpu_memory=total / ranks, intra_bw=bw / more,
+                   inter_bw=bw / more, flops=nominal / share,
+                   efficiency=min(1.0, cal["matmul_flops"] / nominal / mm_slow),
+                   memory_bw=cal["memory_bw"] / share / mem_slow,
+                   intra_latency=alpha * more, inter_latency=alpha * more,
                    op_overhead=cal["op_overhead"] * share, microbatch_overhead=fields["microbatch_overhead"] * share,
-                   fsdp_overhead=fields["fsdp_overhead"] * share, overlap=0.0, dtype="fp32", memory_margin=0.2,
+                   fsdp_overhead=fields["fsdp_overhead"] * share, step_overhead=fields["step_overhead"] * share,
+                   overlap=0.0, dtype="fp32", memory_margin=0.2,
                    name="this machine (CPU, gloo)")
+
+
+def _contended(factor: float, ranks: int, cores: int) -> float:
+    """The slow-down of a rate with `ranks` busy processes: 1 alone, `factor` once every core runs one (linear
+    between)."""
+    if cores <= 1:
+        return 1.0
+    return 1.0 + (factor - 1.0) * (min(ranks, cores) - 1) / (cores - 1)
+
+
+def _gloo_at(cal: dict[str, Any], ranks: int) -> tuple[float, float, float]:
+    """gloo's (latency, bandwidth) measured at the most ranks not above `ranks`, and how many times more the cores
+    are shared at `ranks` than there (the factor still to apply)."""
+    measured = [w for w in GLOO_RANKS if f"alpha_{w}" in cal and w <= ranks]
+    if not measured:  # a calibration that measured 2 processes only
+        return cal["alpha"], cal["bandwidth"], max(1.0, ranks / cal["cores"])
+    w = max(measured)
+    more = max(1.0, ranks / cal["cores"]) / max(1.0, w / cal["cores"])
+    return cal[f"alpha_{w}"], cal[f"bandwidth_{w}"], more
 
 
 def _memory_bytes() -> float:

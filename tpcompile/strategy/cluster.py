@@ -51,6 +51,7 @@ class Cluster:
     op_overhead: float = 0.0  # seconds per executed op (launch / dispatch)
     microbatch_overhead: float = 0.0  # seconds per microbatch and stage outside the ops (schedule, loss, hooks)
     fsdp_overhead: float = 0.0  # seconds per FSDP unit and gather or reduce call outside the transfer
+    step_overhead: float = 0.0  # seconds per training step outside the ops and microbatches (optimizer calls, hooks)
     overlap: float = 1.0  # fraction of data-parallel communication that can hide behind compute
     dtype: str = "bf16"  # compute and activation dtype; weights, gradients and Adam state cost 16 B/param
     memory_margin: float = 0.1  # fraction of GPU memory kept free (allocator, workspace, framework)
@@ -120,7 +121,7 @@ PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "gpus": _int, "gpus_per_node": _int, "gpu_memory": parse_bytes, "intra_bw": parse_rate,
     "inter_bw": parse_rate, "flops": parse_flops, "efficiency": parse_fraction, "memory_bw": parse_rate,
     "intra_latency": parse_seconds, "inter_latency": parse_seconds, "op_overhead": parse_seconds,
-    "microbatch_overhead": parse_seconds, "fsdp_overhead": parse_seconds,
+    "microbatch_overhead": parse_seconds, "fsdp_overhead": parse_seconds, "step_overhead": parse_seconds,
     "overlap": parse_fraction, "dtype": _text, "memory_margin": parse_fraction, "name": _text,
 }
 EXAMPLE = "gpus: 256"

@@ -234,7 +234,8 @@ def _assemble(lay: Layout, b: int, cut: Partition, blocks: _Blocks, parts, clust
             dp_s, dp_bytes = max(dp_s, d_s), max(dp_bytes, d_bytes)
             local = st[5] / (lay.dp if lay.data_parallel == "fsdp" else 1)
             opt_s = max(opt_s, local * OPTIMIZER_BYTES / cluster.memory_bw + st[6] * cluster.op_overhead)
-    time = {"compute": m * mean(0), "tp_comm": m * mean(1), "pp_comm": m * mean(3), "overhead": m * over,
+    time = {"compute": m * mean(0), "tp_comm": m * mean(1), "pp_comm": m * mean(3),
+            "overhead": m * over + (cluster.step_overhead if training else 0.0),
             "imbalance": m * (slowest - over - sum(cut.times) / p), "bubble": (p - 1) * slowest,
             "dp_comm": dp_s, "optimizer": opt_s}
     fullest = max(range(p), key=lambda s: cut.memory[s]) if fits else \

@@ -66,7 +66,7 @@ def plan_parallel(model: ModelLike, cluster: Union[Cluster, dict, str], *, examp
     args = tuple(example_inputs) if example_inputs not in ((), None) else args
     kwargs = dict(example_kwargs) if example_kwargs is not None else kwargs
     profile = build_profile(module, example_inputs=args, example_kwargs=kwargs, seq_len=seq_len)
-    tpps = {t: tp_profile(profile, t) for t in tp_degrees(cl)}  # degree 1 too: its graph keeps its collectives
+    tpps = {t: tp_profile(profile, t) for t in tp_degrees(cl)}  # degree 1 too: the runtime runs its graph
     result = search(profile, tpps, cl, global_batch, training)
     names = [b.name for b in profile.blocks]
     others = [e for e in result.per_mesh if e is not result.best]
