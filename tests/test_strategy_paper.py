@@ -28,7 +28,8 @@ def test_one_billion_on_one_node_prefers_data_parallelism() -> None:
 
 
 def test_7b_plans_under_ten_seconds_mostly_capture() -> None:
-    """A 32-layer Llama-2-7B-shaped model on the meta device plans in under 10 s, most of it capture."""
+    """A 32-layer Llama-2-7B-shaped model on the meta device plans in under 10 s; its alike layers are captured three
+    times, not 32, and the planner's own work (tp profiles and search) stays under 3 s."""
     from transformers import LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
                          intermediate_size=11008, vocab_size=32000, use_cache=False)
@@ -41,7 +42,7 @@ def test_7b_plans_under_ten_seconds_mostly_capture() -> None:
         s = plan_parallel(model, Cluster(gpus=64), example_kwargs=kwargs, global_batch=256, seq_len=4096)
     elapsed = time.perf_counter() - start
     assert elapsed < 10.0, f"planning took {elapsed:.1f} s (capture {s.capture_s:.1f} s)"
-    assert s.capture_s > elapsed / 2
+    assert elapsed - s.capture_s < 3.0, f"planning took {elapsed:.1f} s, of which capture only {s.capture_s:.1f} s"
 
 
 def test_efficiency_default_is_the_fit() -> None:

@@ -59,6 +59,8 @@ class ModelProfile:
     node_block: dict = field(default_factory=dict)  # captured node -> block index
     param_block: dict = field(default_factory=dict)  # parameter name -> block index (first use)
     node_costs: dict = field(default_factory=dict)  # node -> its costs no tp degree changes (tp_profile fills it)
+    # block index -> (the block it copies, that block's module path, its own): alike layers not captured
+    copies: dict = field(default_factory=dict)
 
     @property
     def params(self) -> int:
@@ -180,15 +182,29 @@ def _assign_blocks(cap: Captured, layers: list[str]) -> tuple[list[Block], dict]
 
 
 def build_profile(model: nn.Module, *, example_inputs: Any = (), example_kwargs: Optional[dict] = None,
-                  seq_len: Optional[int]) -> ModelProfile:
-    """Capture `model` at the planning shapes and read its block chain off the graph."""
+                  seq_len: Optional[int], copy_alike: bool = True) -> ModelProfile:
+    """Capture `model` at the planning shapes and read its block chain off the graph.
+
+    With `copy_alike`, repeated layers that are alike are captured three times and the middle
+    ones priced as copies (strategy/alike_layers.py); the result is the same, sooner.
+    """
     import time
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     args, kwargs, tokens = planning_inputs(model, args, dict(example_kwargs or {}), seq_len)
+    layers = find_layers(model)
     start = time.perf_counter()
-    cap = capture_for_planning(model, args, kwargs)
-    elapsed = time.perf_counter() - start
-    blocks, where = _assign_blocks(cap, find_layers(model))
+    profile = _shortened_profile(model, layers, args, kwargs, tokens) if copy_alike else None
+    if profile is None:
+        cap = capture_for_planning(model, args, kwargs)
+        blocks, where, params = _read_blocks(cap, layers)
+        profile = ModelProfile(cap.model_name, cap, blocks, tokens, 0.0, where, params)
+    profile.capture_s = time.perf_counter() - start
+    return profile
+
+
+def _read_blocks(cap: Captured, layers: list[str]) -> tuple[list[Block], dict, dict[str, int]]:
+    """The block chain of a captured graph with its costs; node -> block index; parameter name -> block index."""
+    blocks, where = _assign_blocks(cap, layers)
     graph = cap.gm.graph
     live = nc.input_dependent(graph.nodes)
     per = 1.0 / CAPTURE_BATCH
@@ -212,7 +228,61 @@ def build_profile(model: nn.Module, *, example_inputs: Any = (), example_kwargs:
                 blocks[k].out += size
             for k in later:
                 blocks[k].inp += size
-    return ModelProfile(cap.model_name, cap, blocks, tokens, elapsed, where, _assign_params(cap, blocks, where))
+    return blocks, where, _assign_params(cap, blocks, where)
+
+
+def _shortened_profile(model: nn.Module, layers: list[str], args: tuple, kwargs: dict,
+                       tokens: int) -> Optional[ModelProfile]:
+    """The profile from a capture with the first, second and last layer only, middle layers copied; None when the
+    layers are not alike, the shortened model does not capture, or its layers do not cost alike."""
+    from tpcompile.strategy.alike_layers import KEPT, alike, container_of, shortened
+    if len(layers) <= KEPT:
+        return None
+    container = container_of(model, layers)
+    modules = [model.get_submodule(p) for p in layers]
+    if container is None or list(container._modules.values()) != modules or not alike(modules):
+        return None
+    parent = layers[0].rpartition(".")[0]
+    with shortened(container) as kept:
+        paths = [f"{parent}.{k}" if parent else k for k in kept]
+        try:
+            cap = capture_for_planning(model, args, kwargs)
+        except TPCompileError:
+            return None
+    blocks, where, params = _read_blocks(cap, paths)
+    first, template, last = blocks[1:4]  # blocks[0] is "pre"
+    if any(not p.startswith(paths[1] + ".") for p in template.param_names):
+        return None  # a parameter outside the layer first read there: it would not repeat
+    cost = lambda b: (b.flops, b.params, len(b.param_names))  # noqa: E731
+    if cost(first) != cost(template) or cost(last) != cost(template) or (first.ops, first.moved) != (
+            template.ops, template.moved):
+        return None
+    return expand_copies(ModelProfile(cap.model_name, cap, blocks, tokens, 0.0, where, params), layers)
+
+
+def expand_copies(profile: ModelProfile, layers: list[str]) -> ModelProfile:
+    """The profile of a capture that kept layers 0, 1 and n-1 (blocks 1-3), with layers 2 .. n-2 as copies of 1."""
+    import dataclasses
+    n, template = len(layers), 2
+    shift = n - 3  # blocks from the last layer on move this far
+    old = layers[1]
+    copies: dict[int, tuple[int, str, str]] = {}
+    made = []
+    for i in range(2, n - 1):
+        t = profile.blocks[template]
+        rename = lambda name, new=layers[i]: new + name[len(old):]  # noqa: E731
+        made.append(dataclasses.replace(t, name=layers[i], index=i + 1,
+                                        param_names=[rename(p) for p in t.param_names]))
+        copies[i + 1] = (template, old, layers[i])
+    blocks = profile.blocks[:3] + made + profile.blocks[3:]
+    for k, b in enumerate(blocks):
+        b.index = k
+    remap = lambda b: b + shift if b >= 3 else b  # noqa: E731
+    params = {name: remap(b) for name, b in profile.param_block.items()}
+    for blk in made:
+        params.update({p: blk.index for p in blk.param_names})
+    return dataclasses.replace(profile, blocks=blocks, node_block={nd: remap(b) for nd, b in profile.node_block.items()},
+                               param_block=params, copies=copies)
 
 
 def _assign_params(cap: Captured, blocks: list[Block], where: dict) -> dict[str, int]:

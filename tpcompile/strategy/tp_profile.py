@@ -14,6 +14,8 @@ when its parent spans several blocks (an embedding, an LM head); tied weights jo
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -194,7 +196,29 @@ def tp_profile(profile: ModelProfile, degree: int) -> TPProfile:
             unit.collectives.append(coll)
         else:
             blocks[_block_of(profile, path) if path else len(blocks) - 1].collectives.append(coll)
-    return TPProfile(degree, blocks, units, dict(sm.plan.replicated))
+    replicated = dict(sm.plan.replicated)
+    if profile.copies:
+        units = _copy_layers(profile, blocks, units, replicated)
+    return TPProfile(degree, blocks, units, replicated)
+
+
+def _copy_layers(profile: ModelProfile, blocks: list[BlockTP], units: list[Unit],
+                 replicated: dict[str, str]) -> list[Unit]:
+    """Blocks the capture left out (profile.copies) as copies of their template: costs, units and reasons renamed."""
+    def renamed(path: str, old: str, new: str) -> str:
+        return new + path[len(old):] if path == old or path.startswith(old + ".") else path
+
+    out = list(units)
+    for i, (t, old, new) in profile.copies.items():
+        blocks[i] = copy.deepcopy(blocks[t])
+        for u in units:
+            if u.block == t and all(p == old or p.startswith(old + ".") for p in u.paths):
+                out.append(dataclasses.replace(copy.deepcopy(u), name=renamed(u.name, old, new), block=i,
+                                               paths=tuple(renamed(p, old, new) for p in u.paths)))
+        for path, why in list(replicated.items()):
+            if path == old or path.startswith(old + "."):
+                replicated[renamed(path, old, new)] = why
+    return sorted(out, key=lambda u: u.block)  # stable: within a block, the plan's order
 
 
 def _node_facts(node: Any) -> tuple[str, bool, bool, float, float | None]:
