@@ -243,8 +243,7 @@ def run(repeat: int, quick: bool, quiet_busy: float) -> dict:
     from tpcompile.strategy.calibrate import calibration
     start, load_start = time.perf_counter(), os.getloadavg()[0]
     wait_for_quiet(quiet_busy)
-    calibration(refresh=True)  # this machine as it is now; plan_parallel and the predictions read it from the cache
-    cal_cluster = this_machine(2)
+    cal = calibration(refresh=True)  # this machine as it is now; plan_parallel and the predictions read it from the cache
     todo = configs()
     if quick:
         todo = [c for c in todo if c.model == "gpt"][:6]
@@ -290,7 +289,7 @@ def run(repeat: int, quick: bool, quiet_busy: float) -> dict:
     return {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "wall_s": time.perf_counter() - start,
             "repeat": repeat, "quiet_busy": quiet_busy, "max_wait_s": QUIET_WAIT_S[0],
             "loadavg_start": load_start, "loadavg_end": os.getloadavg()[0],
-            "cores": _cores(), "calibration": _calibration_summary(cal_cluster),
+            "cores": _cores(), "calibration": _calibration_summary(cal),
             "rows": [{"model": c.model, "world": c.world, "layout": c.label(), **r} for c, r in rows.items()],
             "spearman": rho, "spearman_per_model": per_model, "choices": verdicts,
             "failed": [{"model": c.model, "layout": c.label(), "errors": r["errors"]} for c, r in rows.items()
@@ -301,10 +300,20 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _calibration_summary(cluster: Any) -> dict:
-    return {"matmul_gflops": cluster.matmul_rate / 1e9, "efficiency": cluster.efficiency,
-            "memory_gbps": cluster.memory_bw / 1e9, "op_overhead_us": cluster.op_overhead * 1e6,
-            "gloo_alpha_us": cluster.intra_latency * 1e6, "gloo_gbps": cluster.intra_bw / 1e9}
+def _calibration_summary(cal: dict) -> dict:
+    """The measured rates the predictions used (tpcompile.strategy.calibrate.calibration())."""
+    nominal = cal["nominal_flops"] or cal["matmul_flops"]
+    return {"measured_at": cal.get("measured_at", ""), "matmul_gflops": cal["matmul_flops"] / 1e9,
+            "efficiency": cal["matmul_flops"] / nominal, "memory_gbps": cal["memory_bw"] / 1e9,
+            "matmul_contention": cal.get("matmul_contention", 1.0),
+            "memory_contention": cal.get("memory_contention", 1.0), "op_overhead_us": cal["op_overhead"] * 1e6,
+            "gloo_alpha_us": cal.get("alpha_2", cal["alpha"]) * 1e6,
+            "gloo_alpha_4_us": cal.get("alpha_4", float("nan")) * 1e6,
+            "gloo_idle_alpha_us": cal.get("alpha_idle", float("nan")) * 1e6,
+            "gloo_gbps": cal.get("bandwidth_2", cal["bandwidth"]) / 1e9,
+            "microbatch_overhead_ms": cal.get("microbatch_overhead", 0.0) * 1e3,
+            "step_overhead_ms": cal.get("step_overhead", 0.0) * 1e3,
+            "fsdp_overhead_ms": cal.get("fsdp_overhead", 0.0) * 1e3}
 
 
 def report(data: dict) -> str:
@@ -321,10 +330,15 @@ def report(data: dict) -> str:
              f"2 s), then measures anyway; other work kept {_spread(busy)} cores busy just before the measurements "
              f"(column `busy before`, one value per round); the 1-minute load average was "
              f"{data['loadavg_start']:.1f} at the start and {data['loadavg_end']:.1f} at the end.", "",
-             f"This machine as the cost model sees it (measured once, cached): matmul {cal['matmul_gflops']:.1f} "
-             f"GFLOP/s per thread ({cal['efficiency']:.0%} of nominal peak), memory {cal['memory_gbps']:.1f} GB/s, "
-             f"{cal['op_overhead_us']:.1f} us per op, gloo {cal['gloo_alpha_us']:.0f} us per ring step and "
-             f"{cal['gloo_gbps']:.2f} GB/s (2 ranks; more ranks than cores share them).", "",
+             f"This machine as the cost model sees it (`tpcompile.strategy.calibrate`, measured at the start of "
+             f"the run): one thread alone reaches {cal['matmul_gflops']:.1f} GFLOP/s in a matmul "
+             f"({cal['efficiency']:.0%} of nominal peak) and {cal['memory_gbps']:.1f} GB/s in an elementwise op; "
+             f"with every core busy those run {cal['matmul_contention']:.2f}x and {cal['memory_contention']:.2f}x "
+             f"slower; {cal['op_overhead_us']:.1f} us per op; gloo {cal['gloo_alpha_us']:.0f} us per ring step "
+             f"between computing ranks at 2 processes and {cal['gloo_alpha_4_us']:.0f} us at 4 "
+             f"({cal['gloo_idle_alpha_us']:.0f} us between idle ones), {cal['gloo_gbps']:.2f} GB/s; the runtime's "
+             f"own {cal['microbatch_overhead_ms']:.1f} ms per microbatch, {cal['step_overhead_ms']:.1f} ms per step "
+             f"and {cal['fsdp_overhead_ms']:.1f} ms per FSDP call. More ranks than cores share them.", "",
              "| model | ranks | layout | predicted ms | measured ms | busy before |", "|---|---:|---|---:|---:|---|"]
     for r in sorted(data["rows"], key=lambda r: (r["model"], r["world"], r.get("measured_s", 1e9))):
         measured = f"{r['measured_s'] * 1e3:.1f}" if "measured_s" in r else "failed"
@@ -366,6 +380,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--write", action="store_true", help="write README's table and bench/results/strategy_check.*")
     parser.add_argument("--repeat", type=int, default=2, help="rounds of measurement (the fastest round counts)")
     parser.add_argument("--quick", action="store_true", help="six GPT configurations only (a smoke run)")
+    parser.add_argument("--from-json", action="store_true",
+                        help="measure nothing: render bench/results/strategy_check.json again (with --write, into "
+                             "README and strategy_check.md)")
     parser.add_argument("--quiet-busy", type=float, default=0.5,
                         help="wait until other work keeps fewer cores than this busy before each measurement "
                              "(default 0.5; the machine is shared)")
@@ -374,11 +391,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                              "and reports the load)")
     ns = parser.parse_args(argv)
     QUIET_WAIT_S[0] = ns.max_wait
-    data = run(ns.repeat, ns.quick, ns.quiet_busy)
+    out = ROOT / "bench" / "results"
+    data = json.loads((out / "strategy_check.json").read_text()) if ns.from_json else \
+        run(ns.repeat, ns.quick, ns.quiet_busy)
     text = report(data)
     print(text)
     if ns.write:
-        out = ROOT / "bench" / "results"
         (out / "strategy_check.json").write_text(json.dumps(data, indent=1))
         (out / "strategy_check.md").write_text(text)
         _replace(ROOT / "README.md", "strategy", text)
