@@ -12,6 +12,7 @@ is one block.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 from dataclasses import dataclass, field
@@ -262,9 +263,9 @@ def _shortened_profile(model: nn.Module, layers: list[str], args: tuple, kwargs:
 
 def expand_copies(profile: ModelProfile, layers: list[str]) -> ModelProfile:
     """The profile of a capture that kept layers 0, 1 and n-1 (blocks 1-3), with layers 2 .. n-2 as copies of 1."""
-    import dataclasses
-    n, template = len(layers), 2
-    shift = n - 3  # blocks from the last layer on move this far
+    from tpcompile.strategy.alike_layers import KEPT
+    n, template = len(layers), 2  # blocks: pre, layer 0, layer 1 (the template), layer n-1, ...
+    shift = n - KEPT  # blocks from the last layer on move this far
     old = layers[1]
     copies: dict[int, tuple[int, str, str]] = {}
     made = []
@@ -277,7 +278,7 @@ def expand_copies(profile: ModelProfile, layers: list[str]) -> ModelProfile:
     blocks = profile.blocks[:3] + made + profile.blocks[3:]
     for k, b in enumerate(blocks):
         b.index = k
-    remap = lambda b: b + shift if b >= 3 else b  # noqa: E731
+    remap = lambda b: b + shift if b >= KEPT else b  # noqa: E731
     params = {name: remap(b) for name, b in profile.param_block.items()}
     for blk in made:
         params.update({p: blk.index for p in blk.param_names})
