@@ -313,10 +313,7 @@ def _calibration_summary(cal: dict) -> dict:
             "gloo_gbps": cal.get("bandwidth_2", cal["bandwidth"]) / 1e9,
             "microbatch_overhead_ms": cal.get("microbatch_overhead", 0.0) * 1e3,
             "step_overhead_ms": cal.get("step_overhead", 0.0) * 1e3,
-            "fsdp_overhead_ms": cal.get("fsdp_overhead", 0.0) * 1e3,
-            "pipeline_overhead_ms": (cal.get("pipeline_overhead") or cal.get("microbatch_overhead", 0.0)) * 1e3,
-            "collective_overhead_ms": cal.get("collective_overhead", 0.0) * 1e3,
-            "optimizer_ops": cal.get("optimizer_ops", 1.0), "optimizer_bytes": cal.get("optimizer_bytes", 32.0)}
+            "fsdp_overhead_ms": cal.get("fsdp_overhead", 0.0) * 1e3}
 
 
 def report(data: dict) -> str:
@@ -340,13 +337,8 @@ def report(data: dict) -> str:
              f"slower; {cal['op_overhead_us']:.1f} us per op; gloo {cal['gloo_alpha_us']:.0f} us per ring step "
              f"between computing ranks at 2 processes and {cal['gloo_alpha_4_us']:.0f} us at 4 "
              f"({cal['gloo_idle_alpha_us']:.0f} us between idle ones), {cal['gloo_gbps']:.2f} GB/s; the runtime's "
-             f"own {cal['microbatch_overhead_ms']:.1f} ms per microbatch "
-             f"({cal.get('pipeline_overhead_ms', cal['microbatch_overhead_ms']):.1f} ms per microbatch and stage when "
-             f"pipelined), {cal['step_overhead_ms']:.1f} ms per step, {cal['fsdp_overhead_ms']:.1f} ms per FSDP call "
-             f"and {cal.get('collective_overhead_ms', 0.0):.2f} ms per tensor-parallel collective pass; an AdamW step "
-             f"costs {cal.get('optimizer_ops', 1.0):.0f} ops per parameter tensor and "
-             f"{cal.get('optimizer_bytes', 32.0):.0f} bytes per parameter. More ranks than cores share them, and lend "
-             f"them while they wait in a pipeline bubble.", "",
+             f"own {cal['microbatch_overhead_ms']:.1f} ms per microbatch, {cal['step_overhead_ms']:.1f} ms per step "
+             f"and {cal['fsdp_overhead_ms']:.1f} ms per FSDP call. More ranks than cores share them.", "",
              "| model | ranks | layout | predicted ms | measured ms | busy before |", "|---|---:|---|---:|---:|---|"]
     for r in sorted(data["rows"], key=lambda r: (r["model"], r["world"], r.get("measured_s", 1e9))):
         measured = f"{r['measured_s'] * 1e3:.1f}" if "measured_s" in r else "failed"

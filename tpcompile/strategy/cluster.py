@@ -20,7 +20,7 @@ import difflib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Union
 
 import yaml
 
@@ -50,22 +50,14 @@ class Cluster:
     inter_latency: float = 20e-6  # seconds per collective step across nodes
     op_overhead: float = 0.0  # seconds per executed op (launch / dispatch)
     microbatch_overhead: float = 0.0  # seconds per microbatch and stage outside the ops (schedule, loss, hooks)
-    pipeline_overhead: Optional[float] = None  # the same when pipelined (pp > 1); None: microbatch_overhead
     fsdp_overhead: float = 0.0  # seconds per FSDP unit and gather or reduce call outside the transfer
-    collective_overhead: float = 0.0  # seconds per tensor-parallel collective outside the transfer (ranks waiting)
     step_overhead: float = 0.0  # seconds per training step outside the ops and microbatches (optimizer calls, hooks)
     overlap: float = 1.0  # fraction of data-parallel communication that can hide behind compute
-    optimizer_bytes: float = 32.0  # per parameter and optimizer step, read and written (fused Adam: 32)
-    optimizer_ops: float = 1.0  # ops per parameter tensor and optimizer step, each costing op_overhead
-    shared_cores: int = 0  # > 0: the ranks are processes taking turns on this many cores (this machine)
     dtype: str = "bf16"  # compute and activation dtype; weights, gradients and Adam state cost 16 B/param
     memory_margin: float = 0.1  # fraction of GPU memory kept free (allocator, workspace, framework)
     name: str = ""
 
     def __post_init__(self) -> None:
-        if isinstance(self.shared_cores, bool) or not isinstance(self.shared_cores, int) or self.shared_cores < 0:
-            raise TPCompileError(f"cluster shared_cores must be an int >= 0 (0: a device per rank), "
-                                 f"got {self.shared_cores!r}")
         for key in ("gpus", "gpus_per_node"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -75,8 +67,7 @@ class Cluster:
                                  f"{self.gpus_per_node}; give gpus as a multiple of gpus_per_node")
         if self.dtype not in DTYPE_BYTES:
             raise TPCompileError(f"cluster dtype {self.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
-        for key in ("gpu_memory", "intra_bw", "inter_bw", "flops", "efficiency", "memory_bw", "optimizer_bytes",
-                    "optimizer_ops"):
+        for key in ("gpu_memory", "intra_bw", "inter_bw", "flops", "efficiency", "memory_bw"):
             if not getattr(self, key) > 0:
                 raise TPCompileError(f"cluster {key} must be positive, got {getattr(self, key)!r}")
 
@@ -94,12 +85,6 @@ class Cluster:
     def matmul_rate(self) -> float:
         """FLOP/s that matmuls reach."""
         return self.flops * self.efficiency
-
-    def microbatch_cost(self, pp: int) -> float:
-        """Seconds each stage spends per microbatch outside its ops, at pipeline degree pp."""
-        if pp > 1 and self.pipeline_overhead is not None:
-            return self.pipeline_overhead
-        return self.microbatch_overhead
 
     def link(self, span: int) -> tuple[float, float]:
         """(bandwidth, latency) of a group whose ranks lie within `span` consecutive ranks."""
@@ -128,15 +113,6 @@ def _int(field: str, value: Any) -> int:
     return value
 
 
-def _float(field: str, value: Any) -> float:
-    try:
-        if not isinstance(value, bool):
-            return float(value)
-    except (TypeError, ValueError):
-        pass
-    raise TPCompileError(f"{field}: {value!r} is not a number")
-
-
 def _text(field: str, value: Any) -> str:
     return str(value)
 
@@ -145,10 +121,8 @@ PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "gpus": _int, "gpus_per_node": _int, "gpu_memory": parse_bytes, "intra_bw": parse_rate,
     "inter_bw": parse_rate, "flops": parse_flops, "efficiency": parse_fraction, "memory_bw": parse_rate,
     "intra_latency": parse_seconds, "inter_latency": parse_seconds, "op_overhead": parse_seconds,
-    "microbatch_overhead": parse_seconds, "pipeline_overhead": parse_seconds, "fsdp_overhead": parse_seconds,
-    "step_overhead": parse_seconds, "collective_overhead": parse_seconds,
-    "overlap": parse_fraction, "optimizer_bytes": parse_bytes, "optimizer_ops": _float, "shared_cores": _int,
-    "dtype": _text, "memory_margin": parse_fraction, "name": _text,
+    "microbatch_overhead": parse_seconds, "fsdp_overhead": parse_seconds, "step_overhead": parse_seconds,
+    "overlap": parse_fraction, "dtype": _text, "memory_margin": parse_fraction, "name": _text,
 }
 EXAMPLE = "gpus: 256"
 

@@ -49,17 +49,9 @@ def all_gather(n: float, p: int, bw: float, alpha: float) -> Cost:
 reduce_scatter = all_gather
 
 
-def tp_collective(c: Collective, nbytes: float, p: int, bw: float, alpha: float, sequence_parallel: bool,
-                  overhead: float = 0.0) -> tuple[Cost, Cost]:
-    """(forward, backward) cost of one tensor-parallel collective whose per-rank input is `nbytes`; each pass that
-    communicates also pays `overhead` seconds (Cluster.collective_overhead)."""
-    fwd, bwd = _tp_transfer(c, nbytes, p, bw, alpha, sequence_parallel)
-    extra = Cost(overhead, 0.0)
-    return fwd + extra if fwd.sent else fwd, bwd + extra if bwd.sent else bwd
-
-
-def _tp_transfer(c: Collective, nbytes: float, p: int, bw: float, alpha: float,
-                 sequence_parallel: bool) -> tuple[Cost, Cost]:
+def tp_collective(c: Collective, nbytes: float, p: int, bw: float, alpha: float,
+                  sequence_parallel: bool) -> tuple[Cost, Cost]:
+    """(forward, backward) cost of one tensor-parallel collective whose per-rank input is `nbytes`."""
     op = c.op
     if sequence_parallel and op == "all_reduce":
         op = "reduce_scatter"

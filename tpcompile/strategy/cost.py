@@ -3,16 +3,13 @@
 Per block and microbatch: compute by roofline (matmul FLOPs at the cluster's matmul rate,
 memory-bound elements at its memory bandwidth, an overhead per op), backward twice forward,
 recompute one more forward of the repeated blocks; tensor-parallel collectives by alpha-beta
-(comm.py) plus the cluster's `collective_overhead` per communicating pass, not overlapped. The
-chain is cut into pipeline stages (block_graph.partition); a 1F1B step takes (m + p - 1) x the
-slowest stage, i.e. m stage times plus the bubble (p - 1) / m of them; ranks that share cores
-(`shared_cores`, this machine) lend them to the others while they wait in the bubble. Data-parallel
-gradient sync (DDP all-reduce, or FSDP all-gathers and reduce-scatter) hides behind compute up to
-the cluster's `overlap`; the optimizer step reads and writes `optimizer_bytes` per local parameter
-and runs `optimizer_ops` ops per parameter tensor. Memory per GPU: 16 B per parameter
-(mixed-precision Adam: weights, gradients, two moments and the master copy) divided by the FSDP
-degree, FSDP's unsharded working set, and the activations of the microbatches in flight (divided
-by tp under sequence parallelism).
+(comm.py), not overlapped. The chain is cut into pipeline stages (block_graph.partition); a 1F1B
+step takes (m + p - 1) x the slowest stage, i.e. m stage times plus the bubble (p - 1) / m of
+them. Data-parallel gradient sync (DDP all-reduce, or FSDP all-gathers and reduce-scatter)
+hides behind compute up to the cluster's `overlap`; the optimizer step reads and writes every
+local parameter's state once. Memory per GPU: 16 B per parameter (mixed-precision Adam: weights,
+gradients, two moments and the master copy) divided by the FSDP degree, FSDP's unsharded working
+set, and the activations of the microbatches in flight (divided by tp under sequence parallelism).
 """
 from __future__ import annotations
 
@@ -32,6 +29,7 @@ if TYPE_CHECKING:
 
 STATE_BYTES = 16  # per parameter: bf16 weight and gradient, fp32 master weight and two Adam moments
 GRAD_BYTES = 4  # gradients are reduced in fp32
+OPTIMIZER_BYTES = 32  # per parameter and Adam step: read and write the master weight and both moments
 FSDP_PREFETCH = 2  # FSDP holds the current block's gathered weights and prefetches the next
 
 
@@ -115,7 +113,7 @@ def _blocks(profile: ModelProfile, tpp: Optional[TPProfile], cluster: Cluster, l
         fwd = flops * b / cluster.matmul_rate + moved * b * dt / cluster.memory_bw + blk.ops * cluster.op_overhead
         again = training and lay.recompute and blk.repeated
         compute = fwd * ((3 if training else 1) + (1 if again else 0))
-        f_comm, b_comm = _collectives(colls, b * dt, t, tp_bw, tp_alpha, sp, cluster.collective_overhead)
+        f_comm, b_comm = _collectives(colls, b * dt, t, tp_bw, tp_alpha, sp)
         tp_cost = f_comm + (b_comm if training else comm.ZERO) + (f_comm if again else comm.ZERO)
         send = blk.out * b * dt / (t if sp else 1)
         hop = comm.point_to_point(send, pp_bw, pp_alpha).times(2 if training else 1)
@@ -134,11 +132,11 @@ def _blocks(profile: ModelProfile, tpp: Optional[TPProfile], cluster: Cluster, l
 
 
 def _collectives(colls: list[Collective], scale: float, t: int, bw: float, alpha: float,
-                 sp: bool, overhead: float) -> tuple[comm.Cost, comm.Cost]:
+                 sp: bool) -> tuple[comm.Cost, comm.Cost]:
     """Forward and backward cost of a block's collectives for one microbatch (scale: bytes per element-sample)."""
     fwd, bwd = comm.ZERO, comm.ZERO
     for c in colls:
-        f, b = comm.tp_collective(c, c.elems * scale, t, bw, alpha, sp, overhead)
+        f, b = comm.tp_collective(c, c.elems * scale, t, bw, alpha, sp)
         fwd, bwd = fwd + f, bwd + b
     return fwd, bwd
 
@@ -223,7 +221,7 @@ def _assemble(lay: Layout, b: int, cut: Partition, blocks: _Blocks, parts, clust
               fits: bool, graph: nx.DiGraph) -> Estimate:
     """Step time, memory and communication from the stage cut."""
     m, p = lay.microbatches, lay.pp
-    over = cluster.microbatch_cost(p)  # every stage pays it once per microbatch, like its blocks' time
+    over = cluster.microbatch_overhead  # every stage pays it once per microbatch, like its blocks' time
     slowest = cut.slowest + over
     stage = [(sum(blocks.compute[i:j]), sum(blocks.tp_s[i:j]), sum(blocks.tp_bytes[i:j]),
               blocks.send_s[j - 1], blocks.send_bytes[j - 1] * (2 if training else 1), sum(blocks.params[i:j]),
@@ -235,13 +233,11 @@ def _assemble(lay: Layout, b: int, cut: Partition, blocks: _Blocks, parts, clust
             d_s, d_bytes = _data_parallel(st[5], j - i, st[0] * m, st[0], cluster, lay, training)
             dp_s, dp_bytes = max(dp_s, d_s), max(dp_bytes, d_bytes)
             local = st[5] / (lay.dp if lay.data_parallel == "fsdp" else 1)
-            opt_s = max(opt_s, local * cluster.optimizer_bytes / cluster.memory_bw
-                        + st[6] * cluster.optimizer_ops * cluster.op_overhead)
+            opt_s = max(opt_s, local * OPTIMIZER_BYTES / cluster.memory_bw + st[6] * cluster.op_overhead)
     time = {"compute": m * mean(0), "tp_comm": m * mean(1), "pp_comm": m * mean(3),
             "overhead": m * over + (cluster.step_overhead if training else 0.0),
             "imbalance": m * (slowest - over - sum(cut.times) / p), "bubble": (p - 1) * slowest,
             "dp_comm": dp_s, "optimizer": opt_s}
-    _lend_waits(time, cluster)
     fullest = max(range(p), key=lambda s: cut.memory[s]) if fits else \
         max(range(p), key=lambda s: sum(parts(*cut.bounds[s], s).values()))
     mparts = parts(*cut.bounds[fullest], fullest)
@@ -249,25 +245,6 @@ def _assemble(lay: Layout, b: int, cut: Partition, blocks: _Blocks, parts, clust
                   "pp": m * max(s[4] for s in stage) if p > 1 else 0.0}
     return Estimate(lay, b, sum(time.values()), sum(mparts.values()), fits, time, comm_bytes, mparts,
                     cut.bounds, graph)
-
-
-def _lend_waits(time: dict[str, float], cluster: Cluster) -> None:
-    """Ranks that share cores lend theirs while they wait: shorten the bubble and imbalance to what that leaves.
-
-    With r ranks on c < r cores every rate is already divided by r / c (each rank's share when all
-    are busy). A rank idle in the pipeline bubble or waiting on a slower stage gives its core to the
-    others, so the step takes the larger of the busy time (the cores' total work) and the critical
-    path at a whole core's speed, (busy + waits) * c / r.
-    """
-    if not cluster.shared_cores or cluster.gpus <= cluster.shared_cores:
-        return
-    waits = time["bubble"] + time["imbalance"]
-    if waits <= 0:
-        return
-    busy = sum(time.values()) - waits
-    kept = max(0.0, (busy + waits) * cluster.shared_cores / cluster.gpus - busy) / waits
-    time["bubble"] *= kept
-    time["imbalance"] *= kept
 
 
 def _data_parallel(params: float, units: int, step_compute: float, micro_compute: float, cluster: Cluster,

@@ -66,33 +66,6 @@ def measure_compute() -> dict[str, float]:
     return {"matmul_flops": mm, "memory_bw": bw, "op_overhead": op}
 
 
-def measure_optimizer(memory_bw: float, op_overhead: float) -> dict[str, float]:
-    """What one step of torch.optim.AdamW as users build it (its default implementation) costs on one thread.
-
-    Timed on many small tensors (the per-tensor work) and on a few large ones (the per-parameter
-    traffic); the two are solved for `optimizer_ops` (ops per parameter tensor, at `op_overhead`
-    each) and `optimizer_bytes` (bytes read and written per parameter, at `memory_bw`).
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        def step_seconds(count: int, numel: int) -> float:
-            params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(count)]
-            for p in params:
-                p.grad = torch.randn(numel)
-            opt = torch.optim.AdamW(params, lr=1e-3)
-            return best_of(opt.step, 5)
-
-        small_n, small = 64, step_seconds(64, 256)
-        big_params, big = 4 * (1 << 20), step_seconds(4, 1 << 20)
-    finally:
-        torch.set_num_threads(threads)
-    # small = small_n * ops * op_overhead (+ its negligible traffic); big = 4 * ops * op_overhead + traffic
-    ops = max(1.0, small / (small_n * op_overhead))
-    traffic = max(big - 4 * ops * op_overhead, 0.0)
-    return {"optimizer_ops": ops, "optimizer_bytes": max(32.0, traffic * memory_bw / big_params)}
-
-
 def _loop_seconds() -> tuple[float, float]:
     """Mean seconds of a mid-sized matmul and of a large elementwise add, over about half a second each."""
     torch.set_num_threads(1)
