@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.library import Library
 
-import tpcompile.ops.inplace  # noqa: F401  (all_reduce.inplace, the synchronous form of the start)
+from tpcompile.ops.inplace import below_autograd  # (and all_reduce.inplace, the start's synchronous form)
 from tpcompile.ops.collectives import _run
 from tpcompile.runtime.backends import Backend, DistBackend
 
@@ -78,12 +78,18 @@ class _Dirty(torch.autograd.Function):
         return (grad, None) + (None,) * ctx.n
 
 
+def _dirty(x: torch.Tensor, op: Any, *args: Any) -> torch.Tensor:
+    """op's Autograd kernel: through _Dirty when x carries a gradient, else straight below autograd."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Dirty.apply(x, op, *args)
+    return below_autograd(x, op, *args)
+
+
 _lib.impl("all_reduce.start", _start_kernel, "CompositeExplicitAutograd")
-_lib.impl("all_reduce.start", lambda x, group: _Dirty.apply(x, torch.ops.tpcompile.all_reduce.start, group),
-          "Autograd")
+_lib.impl("all_reduce.start", lambda x, group: _dirty(x, torch.ops.tpcompile.all_reduce.start, group), "Autograd")
 torch.library.register_fake("tpcompile::all_reduce.start", lambda x, group: x, lib=_lib)
 _wait_lib.impl("wait", _wait_kernel, "CompositeExplicitAutograd")
-_wait_lib.impl("wait", lambda x: _Dirty.apply(x, torch.ops.tpcompile_async.wait.default), "Autograd")
+_wait_lib.impl("wait", lambda x: _dirty(x, torch.ops.tpcompile_async.wait.default), "Autograd")
 torch.library.register_fake("tpcompile_async::wait", lambda x: x, lib=_wait_lib)
 
 all_reduce_start = torch.ops.tpcompile.all_reduce.start

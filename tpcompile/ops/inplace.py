@@ -61,8 +61,19 @@ class _AllReduceInplace(torch.autograd.Function):
         return grad, None
 
 
+def below_autograd(x: torch.Tensor, op: Any, *args: Any) -> torch.Tensor:
+    """op(x, *args), an in-place kernel, run below autograd; x's version is bumped as any in-place op's."""
+    with torch._C._AutoDispatchBelowAutograd():
+        op(x, *args)
+    if not x.is_inference():
+        torch.autograd.graph.increment_version(x)
+    return x
+
+
 def _autograd(x: torch.Tensor, group: str) -> torch.Tensor:
-    return _AllReduceInplace.apply(x, group)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _AllReduceInplace.apply(x, group)
+    return below_autograd(x, torch.ops.tpcompile.all_reduce.inplace, group)  # no history to move
 
 
 _lib.impl("all_reduce.inplace", _kernel, "CompositeExplicitAutograd")

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.library import Library
 
 from tpcompile.ops.collectives import _run
 from tpcompile.runtime.backends import Backend, DistBackend
@@ -29,25 +30,20 @@ def split_tensors(tensors: list, has_bias: list) -> tuple:
     return x, weights, [next(present) if b else None for b in has_bias]
 
 
+_lib = Library("tpcompile", "FRAGMENT")
 # One flat tensor list (x, weights, biases present), so the schedule record's other arguments are plain values.
-@torch.library.custom_op("tpcompile::linears_grad_all_reduce", mutates_args=(),
-                         schema="(Tensor[] tensors, int[] has_bias, str group) -> Tensor[]")
-def linears_grad_all_reduce(tensors: list[torch.Tensor], has_bias: list[int], group: str) -> list[torch.Tensor]:
+_lib.define("linears_grad_all_reduce(Tensor[] tensors, int[] has_bias, str group) -> Tensor[]")
+
+
+def _linears(tensors: list[torch.Tensor], has_bias: list[int], group: str) -> list[torch.Tensor]:
     """linear(x, w_i, b_i) for each i; in backward, x's gradient is all-reduced while the weights' are computed."""
     x, weights, biases = split_tensors(tensors, has_bias)
     return [F.linear(x, w, b) for w, b in zip(weights, biases)]
 
 
-@linears_grad_all_reduce.register_fake
 def _fake(tensors: list, has_bias: list, group: str) -> list[torch.Tensor]:
     x, weights, _ = split_tensors(tensors, has_bias)
     return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]
-
-
-def _setup(ctx: Any, inputs: tuple, output: Any) -> None:
-    tensors, ctx.has_bias, ctx.group = inputs
-    x, weights, _ = split_tensors(tensors, ctx.has_bias)
-    ctx.save_for_backward(x, *weights)
 
 
 def _launch(backend: Backend, gi: torch.Tensor, works: list) -> torch.Tensor:
@@ -58,7 +54,7 @@ def _launch(backend: Backend, gi: torch.Tensor, works: list) -> torch.Tensor:
     return gi.copy_(backend.all_reduce(gi.clone()))
 
 
-def _backward(ctx: Any, grads: list[Optional[torch.Tensor]]) -> tuple:
+def _backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple:
     x, *weights = ctx.saved_tensors
     live = [(g, w) for g, w in zip(grads, weights) if g is not None]
     gi = None
@@ -80,7 +76,33 @@ def _backward(ctx: Any, grads: list[Optional[torch.Tensor]]) -> tuple:
         gbs.append(g2.sum(0).to(w.dtype) if has_bias else None)
     for work in works:
         work.wait()
-    return [gi, *gws, *(b for b in gbs if b is not None)], None, None
+    return None, None, gi, *gws, *(b for b in gbs if b is not None)
 
 
-linears_grad_all_reduce.register_autograd(_backward, setup_context=_setup)
+class _LinearsGradAllReduce(torch.autograd.Function):
+    """The op's autograd rule: the linears below autograd; backward as described above."""
+
+    @staticmethod
+    def forward(ctx: Any, has_bias: list, group: str, *tensors: torch.Tensor) -> tuple:
+        ctx.has_bias, ctx.group = has_bias, group
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: its matmuls are skipped
+        x, weights, _ = split_tensors(list(tensors), has_bias)
+        ctx.save_for_backward(x, *weights)
+        with torch._C._AutoDispatchBelowAutograd():
+            return tuple(linears_grad_all_reduce(list(tensors), has_bias, group))
+
+    backward = staticmethod(_backward)
+
+
+def _autograd(tensors: list[torch.Tensor], has_bias: list[int], group: str) -> list[torch.Tensor]:
+    """Record the backward only when a gradient is wanted: inference runs the linears and nothing else."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return list(_LinearsGradAllReduce.apply(list(has_bias), group, *tensors))
+    with torch._C._AutoDispatchBelowAutograd():
+        return linears_grad_all_reduce(tensors, has_bias, group)
+
+
+_lib.impl("linears_grad_all_reduce", _linears, "CompositeExplicitAutograd")
+_lib.impl("linears_grad_all_reduce", _autograd, "Autograd")
+torch.library.register_fake("tpcompile::linears_grad_all_reduce", _fake, lib=_lib)
+linears_grad_all_reduce = torch.ops.tpcompile.linears_grad_all_reduce.default
