@@ -173,7 +173,7 @@ def _cluster(cal: dict[str, Any], ranks: int, overrides: dict[str, float], memor
                    intra_latency=alpha * more, inter_latency=alpha * more,
                    op_overhead=cal["op_overhead"] * share, microbatch_overhead=fields["microbatch_overhead"] * share,
                    fsdp_overhead=fields["fsdp_overhead"] * share, step_overhead=fields["step_overhead"] * share,
-                   overlap=0.0, dtype="fp32", memory_margin=0.2,
+                   shared_cores=cal["cores"], overlap=0.0, dtype="fp32", memory_margin=0.2,
                    name="this machine (CPU, gloo)")
 
 

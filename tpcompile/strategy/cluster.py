@@ -53,11 +53,15 @@ class Cluster:
     fsdp_overhead: float = 0.0  # seconds per FSDP unit and gather or reduce call outside the transfer
     step_overhead: float = 0.0  # seconds per training step outside the ops and microbatches (optimizer calls, hooks)
     overlap: float = 1.0  # fraction of data-parallel communication that can hide behind compute
+    shared_cores: int = 0  # > 0: the ranks are processes taking turns on this many cores (this machine)
     dtype: str = "bf16"  # compute and activation dtype; weights, gradients and Adam state cost 16 B/param
     memory_margin: float = 0.1  # fraction of GPU memory kept free (allocator, workspace, framework)
     name: str = ""
 
     def __post_init__(self) -> None:
+        if isinstance(self.shared_cores, bool) or not isinstance(self.shared_cores, int) or self.shared_cores < 0:
+            raise TPCompileError(f"cluster shared_cores must be an int >= 0 (0: a device per rank), "
+                                 f"got {self.shared_cores!r}")
         for key in ("gpus", "gpus_per_node"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -122,7 +126,7 @@ PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "inter_bw": parse_rate, "flops": parse_flops, "efficiency": parse_fraction, "memory_bw": parse_rate,
     "intra_latency": parse_seconds, "inter_latency": parse_seconds, "op_overhead": parse_seconds,
     "microbatch_overhead": parse_seconds, "fsdp_overhead": parse_seconds, "step_overhead": parse_seconds,
-    "overlap": parse_fraction, "dtype": _text, "memory_margin": parse_fraction, "name": _text,
+    "overlap": parse_fraction, "shared_cores": _int, "dtype": _text, "memory_margin": parse_fraction, "name": _text,
 }
 EXAMPLE = "gpus: 256"
 

@@ -5,9 +5,10 @@ memory-bound elements at its memory bandwidth, an overhead per op), backward twi
 recompute one more forward of the repeated blocks; tensor-parallel collectives by alpha-beta
 (comm.py), not overlapped. The chain is cut into pipeline stages (block_graph.partition); a 1F1B
 step takes (m + p - 1) x the slowest stage, i.e. m stage times plus the bubble (p - 1) / m of
-them. Data-parallel gradient sync (DDP all-reduce, or FSDP all-gathers and reduce-scatter)
-hides behind compute up to the cluster's `overlap`; the optimizer step reads and writes every
-local parameter's state once. Memory per GPU: 16 B per parameter (mixed-precision Adam: weights,
+them; ranks that share cores (`shared_cores`, this machine) lend them to the others while they
+wait in the bubble or on a slower stage. Data-parallel gradient sync (DDP all-reduce, or FSDP
+all-gathers and reduce-scatter) hides behind compute up to the cluster's `overlap`; the optimizer
+step reads and writes every local parameter's state once. Memory per GPU: 16 B per parameter (mixed-precision Adam: weights,
 gradients, two moments and the master copy) divided by the FSDP degree, FSDP's unsharded working
 set, and the activations of the microbatches in flight (divided by tp under sequence parallelism).
 """
@@ -238,6 +239,7 @@ def _assemble(lay: Layout, b: int, cut: Partition, blocks: _Blocks, parts, clust
             "overhead": m * over + (cluster.step_overhead if training else 0.0),
             "imbalance": m * (slowest - over - sum(cut.times) / p), "bubble": (p - 1) * slowest,
             "dp_comm": dp_s, "optimizer": opt_s}
+    _lend_waits(time, cluster)
     fullest = max(range(p), key=lambda s: cut.memory[s]) if fits else \
         max(range(p), key=lambda s: sum(parts(*cut.bounds[s], s).values()))
     mparts = parts(*cut.bounds[fullest], fullest)
@@ -245,6 +247,25 @@ def _assemble(lay: Layout, b: int, cut: Partition, blocks: _Blocks, parts, clust
                   "pp": m * max(s[4] for s in stage) if p > 1 else 0.0}
     return Estimate(lay, b, sum(time.values()), sum(mparts.values()), fits, time, comm_bytes, mparts,
                     cut.bounds, graph)
+
+
+def _lend_waits(time: dict[str, float], cluster: Cluster) -> None:
+    """Ranks that share cores lend theirs while they wait: shorten the bubble and imbalance to what that leaves.
+
+    With r ranks on c < r cores every rate is already divided by r / c (each rank's share when all
+    are busy). A rank idle in the pipeline bubble or waiting on a slower stage gives its core to the
+    others, so the step takes the larger of the busy time (the cores' total work) and the critical
+    path at a whole core's speed, (busy + waits) * c / r.
+    """
+    if not cluster.shared_cores or cluster.gpus <= cluster.shared_cores:
+        return
+    waits = time["bubble"] + time["imbalance"]
+    if waits <= 0:
+        return
+    busy = sum(time.values()) - waits
+    kept = max(0.0, (busy + waits) * cluster.shared_cores / cluster.gpus - busy) / waits
+    time["bubble"] *= kept
+    time["imbalance"] *= kept
 
 
 def _data_parallel(params: float, units: int, step_compute: float, micro_compute: float, cluster: Cluster,

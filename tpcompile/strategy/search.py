@@ -90,7 +90,9 @@ def _lower_bound(profile: ModelProfile, tpp: Optional[TPProfile], cluster: Clust
         total += fwd * ((3 if training else 1) + (1 if training and lay.recompute and blk.repeated else 0))
     per_param = (STATE_BYTES / (lay.dp if lay.data_parallel == "fsdp" else 1)) if training else dt
     stage = total / lay.pp + cluster.microbatch_overhead
-    return stage * (lay.microbatches + lay.pp - 1), params / lay.pp * per_param
+    # ranks that share cores lend them through the bubble (cost._lend_waits): only the microbatches are sure
+    slots = lay.microbatches + (0 if cluster.shared_cores and cluster.gpus > cluster.shared_cores else lay.pp - 1)
+    return stage * slots, params / lay.pp * per_param
 
 
 def search(profile: ModelProfile, tpps: dict[int, TPProfile], cluster: Cluster, global_batch: int,
