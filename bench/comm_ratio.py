@@ -6,7 +6,8 @@ Cases: the MLP stack and the GPT of bench/workloads.py in forward (no grad), and
 rank: the hand-written split, tpcompile with `comm=CommOptions(asynchronous=True)` and tpcompile
 without the communication passes. Each repetition times every contender for K iterations (order
 rotated per repetition, both ranks started together by a barrier, the slower rank's time kept);
-the ratio to hand-written is taken per repetition and the median, min and max are reported.
+the ratio to hand-written is taken per repetition and the median, a 95% bootstrap interval of the
+median (so a reader can tell a difference from the machine's noise), min and max are reported.
 Outputs are checked against the hand-written ones before timing.
 
 `--compile` instead times torch.compile (inductor) of a lowered rank graph of a 1-block GPT, forward
@@ -20,6 +21,7 @@ import argparse
 import copy
 import json
 import os
+import random
 import statistics
 import time
 import warnings
@@ -109,12 +111,20 @@ def _rank(rank: int, reps: int, iters: int) -> dict:
     return results
 
 
+def median_interval(values: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the median of values (seeded: the same data give the same interval)."""
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]
+
+
 def _summary(times: dict[str, list[float]]) -> dict:
     hand = times["hand-written"]
     out = {}
     for k in CONTENDERS[1:]:
         ratios = sorted(t / h for t, h in zip(times[k], hand))
-        out[k] = {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
+        out[k] = {"median": statistics.median(ratios), "ci95": median_interval(ratios),
+                  "min": ratios[0], "max": ratios[-1]}
     out["hand-written ms"] = 1e3 * statistics.median(hand)
     return out
 
@@ -176,12 +186,14 @@ def main(argv: list[str] | None = None) -> int:
                                                    "load_average": [load_before, load_after],
                                                    "summary": table}, indent=1) + "\n")
     lines = [f"{args.reps} repetitions of {args.iters} iterations, world size 2, gloo, one thread per rank; "
-             f"time / hand-written time per repetition: median (min-max). The machine's 1-minute load "
+             f"time / hand-written time per repetition: median [95% bootstrap interval of the median] "
+             f"(min-max). The machine's 1-minute load "
              f"average ({os.cpu_count()} cores) was {load_before:.1f} before and {load_after:.1f} after.", "",
              "| case | hand-written (ms) | tpcompile, comm=CommOptions(asynchronous=True) | tpcompile, no comm passes "
              "| max output diff |", "|---|---|---|---|---|"]
     for name, s in table.items():
-        cells = [f"{s[k]['median']:.3f} ({s[k]['min']:.3f}-{s[k]['max']:.3f})" for k in CONTENDERS[1:]]
+        cells = [f"{s[k]['median']:.3f} [{s[k]['ci95'][0]:.3f}-{s[k]['ci95'][1]:.3f}] "
+                 f"({s[k]['min']:.3f}-{s[k]['max']:.3f})" for k in CONTENDERS[1:]]
         lines.append(f"| {name} | {s['hand-written ms']:.2f} | {cells[0]} | {cells[1]} | {s['diff']:.1e} |")
     lines += [""] + [f"- {name}: {r['describe']}" for name, r in res.items()]
     _write_doc("comm-ratios", "\n".join(lines))

@@ -191,3 +191,19 @@ def test_backend_choice(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureF
     assert choose_backend("auto", 2) == "nccl" and choose_backend("nccl", 2) == "nccl"
     assert choose_backend("gloo", 2) == "gloo" and choose_backend("auto", 4) == "gloo"
     assert describe_device("nccl", 2) == "2 x NVIDIA H200 on nccl"
+
+
+def test_median_interval_brackets_the_median_and_narrows_with_samples() -> None:
+    """The comm bench's bootstrap interval: a point for constant data, around the median, narrower with more."""
+    import random
+    import statistics
+
+    from bench.comm_ratio import median_interval
+    assert median_interval([1.0] * 9) == (1.0, 1.0)
+    rng = random.Random(3)
+    few = [rng.gauss(1.0, 0.1) for _ in range(15)]
+    many = [rng.gauss(1.0, 0.1) for _ in range(600)]
+    (lo_f, hi_f), (lo_m, hi_m) = median_interval(few), median_interval(many)
+    assert lo_f <= statistics.median(few) <= hi_f and lo_m <= statistics.median(many) <= hi_m
+    assert hi_m - lo_m < (hi_f - lo_f) / 2
+    assert lo_m < 1.0 < hi_m
