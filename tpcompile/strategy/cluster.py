@@ -54,6 +54,8 @@ class Cluster:
     step_overhead: float = 0.0  # seconds per training step outside the ops and microbatches (optimizer calls, hooks)
     overlap: float = 1.0  # fraction of data-parallel communication that can hide behind compute
     shared_cores: int = 0  # > 0: the ranks are processes taking turns on this many cores (this machine)
+    optimizer_bytes: float = 32.0  # per parameter and optimizer step, read and written (a fused Adam: 32)
+    optimizer_ops: float = 1.0  # ops per parameter tensor and optimizer step, each costing op_overhead
     dtype: str = "bf16"  # compute and activation dtype; weights, gradients and Adam state cost 16 B/param
     memory_margin: float = 0.1  # fraction of GPU memory kept free (allocator, workspace, framework)
     name: str = ""
@@ -71,7 +73,8 @@ class Cluster:
                                  f"{self.gpus_per_node}; give gpus as a multiple of gpus_per_node")
         if self.dtype not in DTYPE_BYTES:
             raise TPCompileError(f"cluster dtype {self.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
-        for key in ("gpu_memory", "intra_bw", "inter_bw", "flops", "efficiency", "memory_bw"):
+        for key in ("gpu_memory", "intra_bw", "inter_bw", "flops", "efficiency", "memory_bw", "optimizer_bytes",
+                    "optimizer_ops"):
             if not getattr(self, key) > 0:
                 raise TPCompileError(f"cluster {key} must be positive, got {getattr(self, key)!r}")
 
@@ -117,6 +120,15 @@ def _int(field: str, value: Any) -> int:
     return value
 
 
+def _number(field: str, value: Any) -> float:
+    try:
+        if not isinstance(value, bool):
+            return float(value)
+    except (TypeError, ValueError):
+        pass
+    raise TPCompileError(f"{field}: {value!r} is not a number")
+
+
 def _text(field: str, value: Any) -> str:
     return str(value)
 
@@ -126,7 +138,8 @@ PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "inter_bw": parse_rate, "flops": parse_flops, "efficiency": parse_fraction, "memory_bw": parse_rate,
     "intra_latency": parse_seconds, "inter_latency": parse_seconds, "op_overhead": parse_seconds,
     "microbatch_overhead": parse_seconds, "fsdp_overhead": parse_seconds, "step_overhead": parse_seconds,
-    "overlap": parse_fraction, "shared_cores": _int, "dtype": _text, "memory_margin": parse_fraction, "name": _text,
+    "overlap": parse_fraction, "shared_cores": _int, "optimizer_bytes": parse_bytes,
+    "optimizer_ops": _number, "dtype": _text, "memory_margin": parse_fraction, "name": _text,
 }
 EXAMPLE = "gpus: 256"
 

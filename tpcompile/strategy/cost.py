@@ -8,9 +8,10 @@ step takes (m + p - 1) x the slowest stage, i.e. m stage times plus the bubble (
 them; ranks that share cores (`shared_cores`, this machine) lend them to the others while they
 wait in the bubble or on a slower stage. Data-parallel gradient sync (DDP all-reduce, or FSDP
 all-gathers and reduce-scatter) hides behind compute up to the cluster's `overlap`; the optimizer
-step reads and writes every local parameter's state once. Memory per GPU: 16 B per parameter (mixed-precision Adam: weights,
-gradients, two moments and the master copy) divided by the FSDP degree, FSDP's unsharded working
-set, and the activations of the microbatches in flight (divided by tp under sequence parallelism).
+step moves `optimizer_bytes` per local parameter and runs `optimizer_ops` ops per tensor. Memory
+per GPU: 16 B per parameter (mixed-precision Adam: weights, gradients, two moments and the master
+copy) divided by the FSDP degree, FSDP's unsharded working set, and the activations of the
+microbatches in flight (divided by tp under sequence parallelism).
 """
 from __future__ import annotations
 
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
 
 STATE_BYTES = 16  # per parameter: bf16 weight and gradient, fp32 master weight and two Adam moments
 GRAD_BYTES = 4  # gradients are reduced in fp32
-OPTIMIZER_BYTES = 32  # per parameter and Adam step: read and write the master weight and both moments
 FSDP_PREFETCH = 2  # FSDP holds the current block's gathered weights and prefetches the next
 
 
@@ -234,7 +234,8 @@ def _assemble(lay: Layout, b: int, cut: Partition, blocks: _Blocks, parts, clust
             d_s, d_bytes = _data_parallel(st[5], j - i, st[0] * m, st[0], cluster, lay, training)
             dp_s, dp_bytes = max(dp_s, d_s), max(dp_bytes, d_bytes)
             local = st[5] / (lay.dp if lay.data_parallel == "fsdp" else 1)
-            opt_s = max(opt_s, local * OPTIMIZER_BYTES / cluster.memory_bw + st[6] * cluster.op_overhead)
+            opt_s = max(opt_s, local * cluster.optimizer_bytes / cluster.memory_bw
+                        + st[6] * cluster.optimizer_ops * cluster.op_overhead)
     time = {"compute": m * mean(0), "tp_comm": m * mean(1), "pp_comm": m * mean(3),
             "overhead": m * over + (cluster.step_overhead if training else 0.0),
             "imbalance": m * (slowest - over - sum(cut.times) / p), "bubble": (p - 1) * slowest,

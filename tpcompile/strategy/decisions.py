@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from tpcompile.strategy import comm
 from tpcompile.strategy.cluster import Cluster
-from tpcompile.strategy.cost import GRAD_BYTES, OPTIMIZER_BYTES, Layout
+from tpcompile.strategy.cost import GRAD_BYTES, Layout
 from tpcompile.strategy.profile import ModelProfile
 from tpcompile.strategy.quantities import format_seconds
 from tpcompile.strategy.tp_profile import TPProfile, Unit
@@ -41,7 +41,7 @@ def _unit_times(u: Unit, profile: ModelProfile, cluster: Cluster, lay: Layout, b
     extra = u.params_full - u.params_rank
     if training:
         shard = lay.dp if lay.data_parallel == "fsdp" else 1
-        saved += extra * OPTIMIZER_BYTES / shard / cluster.memory_bw
+        saved += extra * cluster.optimizer_bytes / shard / cluster.memory_bw
         if lay.dp > 1:
             bw, alpha = cluster.link(lay.tp * lay.dp)
             saved += comm.all_reduce(extra * GRAD_BYTES, lay.dp, bw, 0.0).seconds * (1 - cluster.overlap)
