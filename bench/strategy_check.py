@@ -290,6 +290,7 @@ def run(repeat: int, quick: bool, quiet_busy: float) -> dict:
             "repeat": repeat, "quiet_busy": quiet_busy, "max_wait_s": QUIET_WAIT_S[0],
             "loadavg_start": load_start, "loadavg_end": os.getloadavg()[0],
             "cores": _cores(), "calibration": _calibration_summary(cal),
+            "calibration_raw": cal,  # as calibration() returned it: a later cost model can re-predict these rows
             "rows": [{"model": c.model, "world": c.world, "layout": c.label(), **r} for c, r in rows.items()],
             "spearman": rho, "spearman_per_model": per_model, "choices": verdicts,
             "failed": [{"model": c.model, "layout": c.label(), "errors": r["errors"]} for c, r in rows.items()
