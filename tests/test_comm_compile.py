@@ -16,6 +16,8 @@ from tpcompile.models.gpt import GPT, GPTConfig
 from tpcompile.passes.comm_lower import META_KEY
 from tpcompile.runtime.launch import launch
 
+from test_comm_gloo import seeded_gpt
+
 TOL = 1e-5
 
 
@@ -30,10 +32,7 @@ def _post_grad_collectives(seen: list) -> Any:
 def _compiled_rank(rank: int, sequence_parallel: bool) -> dict:
     """Shard a 1-block GPT at ws 2, compile this rank's lowered graph with inductor, run fwd+bwd, compare."""
     import torch._inductor.config as inductor_config
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(n_layer=1)).train()
-    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    model, ids = seeded_gpt(1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", tpcompile.TPCompileWarning)
         eager = tpcompile.shard(model, 2, example_inputs=(ids,), comm=True, sequence_parallel=sequence_parallel)

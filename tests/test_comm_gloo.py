@@ -16,13 +16,18 @@ OPS = {"start": torch.ops.tpcompile.all_reduce.start, "inplace": torch.ops.tpcom
        "fused": torch.ops.tpcompile.linears_grad_all_reduce.default}
 
 
+def seeded_gpt(n_layer: int) -> tuple[GPT, torch.Tensor]:
+    """The bundled GPT with seed-0 weights (the caller's RNG untouched) in training mode, and (2, 16) token ids."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=n_layer)).train()
+    return model, torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
 def _rank(rank: int) -> dict:
     """Shard a 2-block GPT at ws 2 with and without the passes; train one step and run one no_grad forward."""
     torch.set_num_threads(1)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(n_layer=2)).train()
-    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    model, ids = seeded_gpt(2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", tpcompile.TPCompileWarning)
         graphs = {"sync": tpcompile.shard(model, 2, example_inputs=(ids,)).rank(rank),
