@@ -16,13 +16,12 @@ Autograd: both mark x dirty and pass the gradient through (all_reduce's backward
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.library import Library
 
-from tpcompile.ops.inplace import below_autograd  # (and all_reduce.inplace, the start's synchronous form)
+from tpcompile.ops.inplace import dirty_autograd  # (and all_reduce.inplace, the start's synchronous form)
 from tpcompile.ops.collectives import _run
 from tpcompile.runtime.backends import Backend, DistBackend
 
@@ -62,34 +61,12 @@ def _wait_kernel(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-class _Dirty(torch.autograd.Function):
-    """Run an in-place kernel below autograd, mark x dirty; the gradient passes through."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, op: Any, *args: Any) -> torch.Tensor:
-        with torch._C._AutoDispatchBelowAutograd():
-            op(x, *args)
-        ctx.mark_dirty(x)
-        ctx.n = len(args)
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return (grad, None) + (None,) * ctx.n
-
-
-def _dirty(x: torch.Tensor, op: Any, *args: Any) -> torch.Tensor:
-    """op's Autograd kernel: through _Dirty when x carries a gradient, else straight below autograd."""
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _Dirty.apply(x, op, *args)
-    return below_autograd(x, op, *args)
-
-
 _lib.impl("all_reduce.start", _start_kernel, "CompositeExplicitAutograd")
-_lib.impl("all_reduce.start", lambda x, group: _dirty(x, torch.ops.tpcompile.all_reduce.start, group), "Autograd")
+_lib.impl("all_reduce.start", lambda x, group: dirty_autograd(x, torch.ops.tpcompile.all_reduce.start, group),
+          "Autograd")
 torch.library.register_fake("tpcompile::all_reduce.start", lambda x, group: x, lib=_lib)
 _wait_lib.impl("wait", _wait_kernel, "CompositeExplicitAutograd")
-_wait_lib.impl("wait", lambda x: _dirty(x, torch.ops.tpcompile_async.wait.default), "Autograd")
+_wait_lib.impl("wait", lambda x: dirty_autograd(x, torch.ops.tpcompile_async.wait.default), "Autograd")
 torch.library.register_fake("tpcompile_async::wait", lambda x: x, lib=_wait_lib)
 
 all_reduce_start = torch.ops.tpcompile.all_reduce.start

@@ -46,23 +46,27 @@ def _fake(x: torch.Tensor, group: str) -> torch.Tensor:
     return x
 
 
-class _AllReduceInplace(torch.autograd.Function):
-    """The autograd rule: x's history continues through the sum; the gradient passes unchanged."""
+class _Dirty(torch.autograd.Function):
+    """Run an in-place kernel below autograd, mark x dirty: x's history continues; the gradient passes through."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: str) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, op: Any, *args: Any) -> torch.Tensor:
         with torch._C._AutoDispatchBelowAutograd():
-            torch.ops.tpcompile.all_reduce.inplace(x, group)
+            op(x, *args)
         ctx.mark_dirty(x)
+        ctx.n = len(args)
         return x
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return grad, None
+        return (grad, None) + (None,) * ctx.n
 
 
-def below_autograd(x: torch.Tensor, op: Any, *args: Any) -> torch.Tensor:
-    """op(x, *args), an in-place kernel, run below autograd; x's version is bumped as any in-place op's."""
+def dirty_autograd(x: torch.Tensor, op: Any, *args: Any) -> torch.Tensor:
+    """The Autograd kernel of an in-place op(x, *args) (this one, the async start and wait): through _Dirty
+    when x carries a gradient, else the kernel at once below autograd, x's version bumped as any in-place op's."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Dirty.apply(x, op, *args)
     with torch._C._AutoDispatchBelowAutograd():
         op(x, *args)
     if not x.is_inference():
@@ -70,14 +74,9 @@ def below_autograd(x: torch.Tensor, op: Any, *args: Any) -> torch.Tensor:
     return x
 
 
-def _autograd(x: torch.Tensor, group: str) -> torch.Tensor:
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _AllReduceInplace.apply(x, group)
-    return below_autograd(x, torch.ops.tpcompile.all_reduce.inplace, group)  # no history to move
-
-
 _lib.impl("all_reduce.inplace", _kernel, "CompositeExplicitAutograd")
-_lib.impl("all_reduce.inplace", _autograd, "Autograd")
+_lib.impl("all_reduce.inplace", lambda x, group: dirty_autograd(x, torch.ops.tpcompile.all_reduce.inplace, group),
+          "Autograd")
 torch.library.register_fake("tpcompile::all_reduce.inplace", _fake, lib=_lib)
 
 all_reduce_inplace = torch.ops.tpcompile.all_reduce.inplace
