@@ -129,3 +129,48 @@ def test_fused_linears_under_autocast_match_the_unfused_graph() -> None:
         for k in rgrads:
             assert grads[k].dtype == rgrads[k].dtype
             assert torch.allclose(grads[k], rgrads[k], atol=1e-6, rtol=0), k
+
+
+class CastAfterSum(nn.Module):
+    """An MLP whose row split's sum (no bias) is read by a cast (`.to(float32)`) and a residual-like add:
+    export records an `_assert_tensor_metadata` node that reads the sum first and that nothing reads, as
+    where a Llama-style norm casts its input to float32."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc2(F.gelu(self.fc1(x)))
+        return h + h.to(torch.float32).sin()
+
+
+def test_a_reader_nothing_reads_is_passed_and_numerics_hold() -> None:
+    """A node reading the sum with no readers of its own (an assertion) does not stop the pass: the rank graph
+    is built in bounded time, the assertion still comes after the wait, and outputs and gradients equal the
+    synchronous graph's."""
+    import threading
+
+    x = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(2))
+    shard = {}
+    for key, comm in (("plain", None), ("fast", tpcompile.CommOptions(asynchronous=True))):
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", tpcompile.TPCompileWarning)
+            shard[key] = tpcompile.shard(CastAfterSum().train(), 2, example_inputs=(x,), comm=comm)
+    built: list = []
+    worker = threading.Thread(target=lambda: built.append(shard["fast"].rank(0)), daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert built, "building the asynchronous rank graph did not finish in 60 s"
+    nodes = list(built[0].graph.nodes)
+    asserts = [n for n in nodes if n.target is torch.ops.aten._assert_tensor_metadata.default and not n.users]
+    (wait,) = [n for n in nodes if n.target is WAIT]
+    assert asserts, "the model no longer records an assertion nothing reads; the test needs another model"
+    assert all(nodes.index(a) > nodes.index(wait) for a in asserts)
+    (want, want_events), (got, got_events) = _train(shard["plain"], x), _train(shard["fast"], x)
+    assert got_events == want_events
+    for (out, gx, grads), (rout, rgx, rgrads) in zip(got, want):
+        assert torch.equal(out, rout) and torch.allclose(gx, rgx, atol=1e-6, rtol=0)
+        for k in rgrads:
+            assert torch.allclose(grads[k], rgrads[k], atol=1e-6, rtol=0), k

@@ -51,9 +51,10 @@ def _sink(node: fx.Node, depth: int = 8) -> None:
 
 
 def _first_reader(node: fx.Node) -> fx.Node:
-    """The first node after `node` that reads it."""
+    """The first node after `node` that reads it, or the output when nothing after it does (an assertion
+    that nothing reads: the walk stops there rather than going round the graph's circular node list)."""
     at = node.next
-    while at not in node.users:
+    while at.op != "output" and at not in node.users:
         at = at.next
     return at
 
