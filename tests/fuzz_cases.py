@@ -17,6 +17,9 @@ from tpcompile.api import shard_captured
 from tpcompile.capture import Captured, capture
 
 
+COMM = {"off": None, "default": True, "async": tpcompile.CommOptions(asynchronous=True)}  # FuzzConfig.comm
+
+
 @dataclass
 class Outcome:
     """How one case ended: sharded (equal numerics), replicated parts (equal, with warnings), error, or a failure."""
@@ -66,7 +69,7 @@ def _run_world(cap: Captured, cfg: FuzzConfig, model: nn.Module, ws: int, inputs
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", tpcompile.TPCompileWarning)
         try:
-            sm = shard_captured(cap, ws)
+            sm = shard_captured(cap, ws, comm=COMM[cfg.comm])
             for r in range(ws):
                 sm.rank(r)
         except tpcompile.TPCompileError as e:

@@ -52,6 +52,7 @@ class FuzzConfig:
     qkv_form: str = "split"  # split | slice (qkv[..., :q]) | per_head (view(B, T, H, 3, D)); fused only
     embed_proj: int = 0  # the embedding's width E when it is projected up to the model width (0: none)
     moe: str = "none"  # none | a tests/moe_models.py layout: the feed-forward is a mixture of experts
+    comm: str = "off"  # off | default (CommOptions()) | async (CommOptions(asynchronous=True)): the comm passes
 
     def short(self) -> str:
         """The config as one line of key=value, for failure reports."""
@@ -89,7 +90,8 @@ def fuzz_configs(draw: st.DrawFn) -> FuzzConfig:
         weight_read=draw(st.sampled_from(["none"] * 9 + ["norm", "row", "mean"])), inplace=_rarely(draw, 4),
         max_norm=_rarely(draw, 8), literals=_rarely(draw, 4), kwargs_forward=_rarely(draw, 4),
         autocast=_rarely(draw, 6))
-    return FuzzConfig(**fields, **draw(_idioms(heads, kv_heads, width, fields["autocast"])))
+    idioms = draw(_idioms(heads, kv_heads, width, fields["autocast"]))
+    return FuzzConfig(**fields, **idioms, comm=draw(st.sampled_from(["off", "off", "default", "async"])))
 
 
 @st.composite

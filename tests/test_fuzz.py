@@ -11,7 +11,7 @@ import os
 import time
 
 import pytest
-from fuzz_cases import describe_failure, run_case
+from fuzz_cases import COMM, describe_failure, run_case
 from fuzz_models import FuzzConfig, fuzz_configs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -26,18 +26,22 @@ some_world_sizes = st.lists(st.integers(1, 8), min_size=LONG_WORLDS, max_size=LO
 
 
 def _run(cfg: FuzzConfig, sizes: list[int], counts: collections.Counter, failures: list[str]) -> None:
-    """Run one model at its world sizes, counting outcomes and collecting failure reports."""
+    """Run one model at its world sizes, counting outcomes (and, as "comm <setting>", the communication
+    passes they ran with) and collecting failure reports."""
     for ws, outcome in run_case(cfg, sizes).items():
         counts[outcome.kind] += 1
+        counts[f"comm {cfg.comm}"] += 1
         report = describe_failure(cfg, ws, outcome)
         if report:
             failures.append(report)
 
 
 def _summary(counts: collections.Counter, models: int, seconds: float) -> str:
-    total = sum(counts.values())
-    kinds = ", ".join(f"{k} {counts[k]}" for k in ("sharded", "partly_replicated", "error", "mismatch", "crash"))
-    return f"fuzz: {total} cases ({models} models) in {seconds:.0f} s: {kinds}"
+    kinds = ("sharded", "partly_replicated", "error", "mismatch", "crash")
+    total = sum(counts[k] for k in kinds)
+    comm = ", ".join(f"{k} {counts['comm ' + k]}" for k in COMM)
+    return (f"fuzz: {total} cases ({models} models) in {seconds:.0f} s: "
+            f"{', '.join(f'{k} {counts[k]}' for k in kinds)}; comm passes: {comm}")
 
 
 def test_fuzz_short() -> None:
@@ -57,9 +61,10 @@ def test_fuzz_short() -> None:
     check()
     summary = _summary(counts, SHORT_CASES // len(ALL_WORLDS), time.perf_counter() - start)
     print(summary)
-    assert sum(counts.values()) == SHORT_CASES, summary
+    assert sum(counts[f"comm {k}"] for k in COMM) == SHORT_CASES, summary
     # The property is only worth something if the cases really split: fully split ones must be common.
     assert counts["sharded"] >= SHORT_CASES // 10, summary
+    assert all(counts[f"comm {k}"] for k in COMM), summary  # every setting of the comm passes is run
 
 
 @pytest.mark.slow
@@ -76,7 +81,7 @@ def test_fuzz_long() -> None:
     @given(cfg=fuzz_configs(), sizes=some_world_sizes)
     def check(cfg: FuzzConfig, sizes: list[int]) -> None:
         _run(cfg, sizes, counts, failures)  # keep going: one run reports every failing case
-        done = sum(counts.values())
+        done = sum(counts[f"comm {k}"] for k in COMM)
         if done % 250 < LONG_WORLDS:  # a progress line about every 250 cases
             print(f"{done} cases, {len(failures)} failing, {time.perf_counter() - start:.0f} s", flush=True)
 
