@@ -125,3 +125,42 @@ def test_shared_kv_head_pieces_are_bucketed() -> None:
     assert counts["all_reduce"] == 2 * 2 + 1 + 1
     (node,) = [n for n in bucketed.rank(0).graph.nodes if n.target is BUCKET]
     assert sorted(node.args[2]) == [2, 2, 2, 2]
+
+
+class FusedMultiQuery(nn.Module):
+    """Blocks of causal attention with one fused q|k|v projection and a single kv head (multi-query): at 2
+    ranks each block's k and v segments are pieces of one split of the fused weight."""
+
+    def __init__(self, d: int = 32, heads: int = 4, blocks: int = 2) -> None:
+        super().__init__()
+        self.heads, self.hd = heads, d // heads
+        self.qkv = nn.ModuleList(nn.Linear(d, d + 2 * self.hd) for _ in range(blocks))
+        self.out = nn.ModuleList(nn.Linear(d, d) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        for qkv, out in zip(self.qkv, self.out):
+            q, k, v = qkv(x).split([D, self.hd, self.hd], dim=-1)
+            q = q.view(B, T, self.heads, self.hd).transpose(1, 2)
+            k, v = (t.view(B, T, 1, self.hd).transpose(1, 2)[:, :, None].expand(B, 1, self.heads, T, self.hd)
+                    .reshape(B, self.heads, T, self.hd) for t in (k, v))  # as Hugging Face's repeat_kv
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + out(y.transpose(1, 2).reshape(B, T, D))
+        return x
+
+
+def test_pieces_of_one_fused_weight_split_are_bucketed_in_order() -> None:
+    """The k and v pieces of two blocks' fused weights join one bucket: the later block's split, which both of
+    its pieces read, is moved up once, before both (the rank graph is well formed); gradients unchanged."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = FusedMultiQuery().train()
+    x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1))
+    plain, bucketed = _shard(model, 2, None, example_inputs=(x,)), _shard(model, 2, True, example_inputs=(x,))
+    assert plain.plan.parameters["qkv.1.weight"].seg_pieces == (2, 1, 1)  # q split, the kv head whole
+    (node,) = [n for n in bucketed.rank(0).graph.nodes if n.target is BUCKET]
+    assert len(node.args[0]) == 8  # the k and v segments of both blocks' weights and biases
+    want, plain_counts = _step(plain, x)
+    got, counts = _step(bucketed, x)
+    _same(got, want, tol=1e-6)
+    assert plain_counts["all_reduce"] == counts["all_reduce"] + 7

@@ -89,9 +89,13 @@ def parameters_only(x: Node) -> bool:
     return bool(parameters_of(x))
 
 
-def hoist(before: Node, x: Node, order: dict[Node, int]) -> None:
-    """Move x's producers that come after `before` (they read parameters only) up before it."""
-    late, stack = set(), [x]
+def hoist(before: Node, xs: list[Node], order: dict[Node, int]) -> None:
+    """Move the producers of xs that come after `before` (they read parameters only) up before it.
+
+    One move for all of xs: `order` is the graph's order before any of them moved. Hoisting one
+    value at a time with that order would move a producer they share (a split of one fused weight)
+    again, after what the first move had put before it."""
+    late, stack = set(), list(xs)
     while stack:
         n = stack.pop()
         if order[n] > order[before] and n not in late:
@@ -112,8 +116,7 @@ def bucket_pass(gm: Union[GraphModule, fx.Graph], ctx: PassContext,
         order = {n: i for i, n in enumerate(graph.nodes)}
         bucket.sort(key=lambda m: order[m[0]])  # forward order inside the bucket
         first = bucket[0][0]
-        for node, _ in bucket[1:]:
-            hoist(first, node.args[0], order)
+        hoist(first, [node.args[0] for node, _ in bucket[1:]], order)
         xs = [node.args[0] for node, _ in bucket]
         dims = [info[0] for _, info in bucket]
         pieces = [info[1] for _, info in bucket]

@@ -49,10 +49,7 @@ def linear_grads_pass(gm: Union[GraphModule, fx.Graph]) -> Union[GraphModule, fx
         order = {n: i for i, n in enumerate(graph.nodes)}
         linears = sorted(g.users, key=order.__getitem__)
         first = linears[0]
-        for lin in linears[1:]:
-            for a in lin.args[1:]:
-                if a is not None:
-                    hoist(first, a, order)
+        hoist(first, [a for lin in linears[1:] for a in lin.args[1:] if a is not None], order)
         weights = [lin.args[1] for lin in linears]
         biases = [lin.args[2] if len(lin.args) > 2 else None for lin in linears]
         tensors = [g.args[0], *weights, *(b for b in biases if b is not None)]
