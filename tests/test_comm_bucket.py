@@ -164,3 +164,38 @@ def test_pieces_of_one_fused_weight_split_are_bucketed_in_order() -> None:
     got, counts = _step(bucketed, x)
     _same(got, want, tol=1e-6)
     assert plain_counts["all_reduce"] == counts["all_reduce"] + 7
+
+
+class OnePlusNorm(nn.Module):
+    """RMS norms that scale by `1 + weight` (as Gemma's do) around column/row MLPs, in blocks."""
+
+    def __init__(self, d: int = 32, blocks: int = 3) -> None:
+        super().__init__()
+        self.norms = nn.ParameterList(nn.Parameter(0.1 * torch.randn(d)) for _ in range(blocks))
+        self.up = nn.ModuleList(nn.Linear(d, 4 * d) for _ in range(blocks))
+        self.down = nn.ModuleList(nn.Linear(4 * d, d) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for w, up, down in zip(self.norms, self.up, self.down):
+            h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w.float())
+            x = x + down(torch.nn.functional.gelu(up(h)))
+        return x
+
+
+def test_values_computed_from_parameters_alone_are_bucketed() -> None:
+    """Under sequence parallelism the `1 + weight` of the norms that read split tokens (blocks 1 and 2; block 0
+    reads the whole input) and the row biases join one bucket: the 5 per-parameter backward all-reduces
+    become 1, the one of block 0's column input stays; gradients unchanged."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = OnePlusNorm().train()
+    x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1))
+    plain, bucketed = (_shard(model, 2, comm, example_inputs=(x,), sequence_parallel=True) for comm in (None, True))
+    want, plain_counts = _step(plain, x)
+    got, counts = _step(bucketed, x)
+    _same(got, want, tol=1e-6)
+    assert plain_counts["all_reduce"] == 1 + 5 and counts["all_reduce"] == 1 + 1
+    (node,) = [n for n in bucketed.rank(0).graph.nodes if n.target is BUCKET]
+    names = node.meta[META_KEY][2]
+    assert [n for n in names if n.startswith("norms")] == ["norms.1", "norms.2"]
+    assert node.meta[META_KEY][1] == 4 * (2 * 32 + 3 * 32)  # two (1 + weight) and three row biases, float32

@@ -2,8 +2,8 @@
 
 The rewriter syncs some gradients one parameter at a time: `grad_all_reduce(w)` for a
 replicated parameter applied to split values (norm weights and row biases under sequence
-parallelism), `grad_piece_all_reduce(w, ...)` for a parameter cut into fewer pieces than ranks
-(kv heads). Each is one backward all-reduce, so their number grows with the parameters.
+parallelism, or a value computed from them alone, such as Gemma's `1 + weight`),
+`grad_piece_all_reduce(w, ...)` for a parameter cut into fewer pieces than ranks (kv heads). Each is one backward all-reduce, so their number grows with the parameters.
 
 This pass collects those whose input derives from parameters alone, orders them as backward
 produces their gradients (reverse graph order), and fills buckets of at most `bucket_bytes`
@@ -26,14 +26,15 @@ from torch.fx import GraphModule, Node
 
 import tpcompile.ops.buckets  # noqa: F401  (registers torch.ops.tpcompile.grad_bucket_all_reduce)
 from tpcompile.passes.pass_context import PassContext
-from tpcompile.placement import slice_shape
+from tpcompile.placement import Replicate, slice_shape
 
 META_KEY = "tp_bucket"
 tp = torch.ops.tpcompile
 
 
 def parameters_of(x: Node) -> Optional[list[Node]]:
-    """The get_attr nodes x is computed from, or None when x depends on anything else."""
+    """The get_attr nodes x is computed from, or None when x depends on anything else or on a random op
+    (moving a dropout of a weight would change which random numbers it draws)."""
     seen, stack, params = set(), [x], []
     while stack:
         n = stack.pop()
@@ -42,7 +43,7 @@ def parameters_of(x: Node) -> Optional[list[Node]]:
         seen.add(n)
         if n.op == "get_attr":
             params.append(n)
-        elif n.op != "call_function":
+        elif n.op != "call_function" or torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
             return None
         stack.extend(n.all_input_nodes)
     return params
@@ -52,15 +53,22 @@ def _member(node: Node, ctx: PassContext) -> Optional[tuple[int, int, int, torch
     """(dim, pieces, bytes, dtype, parameter names) for a per-parameter gradient sync, else None."""
     if node.op != "call_function":
         return None
-    if node.target is tp.grad_all_reduce.default and node.args[0].op == "get_attr":
+    x = node.args[0]
+    if node.target is tp.grad_all_reduce.default:
         dim, pieces = 0, 0
     elif node.target is tp.grad_piece_all_reduce.default:
         dim, pieces = int(node.args[1]), int(node.args[2])
     else:
         return None
-    params = parameters_of(node.args[0])
+    params = parameters_of(x)
     if not params or any(p.target not in ctx.tensors for p in params):
         return None
+    if not pieces and x.op != "get_attr":
+        # a replicated value computed from parameters (Gemma's norms scale by 1 + weight): its own bytes
+        val = x.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not isinstance(x.meta.get("tp_placement"), Replicate):
+            return None
+        return dim, pieces, val.numel() * val.element_size(), val.dtype, [p.target for p in params]
     nbytes = 0
     for p in params:
         t = ctx.tensors[p.target]
