@@ -174,3 +174,19 @@ def test_a_reader_nothing_reads_is_passed_and_numerics_hold() -> None:
         assert torch.equal(out, rout) and torch.allclose(gx, rgx, atol=1e-6, rtol=0)
         for k in rgrads:
             assert torch.allclose(grads[k], rgrads[k], atol=1e-6, rtol=0), k
+
+
+def test_the_wait_moves_no_op_that_draws_random_numbers() -> None:
+    """Only readers that write nothing and draw no random numbers are moved later: moving a random op past
+    another would change which numbers each draws."""
+    from torch import fx
+
+    from tpcompile.passes.comm_async import _pure
+    aten = torch.ops.aten
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    cases = {aten.add.Tensor: (x, x), aten.rand_like.default: (x,), aten.bernoulli.p: (x, 0.5),
+             aten.add_.Tensor: (x, x), aten._assert_tensor_metadata.default: (x,)}
+    moved = {op: _pure(graph.call_function(op, args)) for op, args in cases.items()}
+    assert moved == {aten.add.Tensor: True, aten.rand_like.default: False, aten.bernoulli.p: False,
+                     aten.add_.Tensor: False, aten._assert_tensor_metadata.default: True}

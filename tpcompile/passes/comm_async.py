@@ -26,10 +26,11 @@ META_KEY = "tp_async"
 
 
 def _pure(node: fx.Node) -> bool:
-    """An aten op that writes nothing: moving it later changes no value."""
+    """An aten op that writes nothing and draws no random numbers: moving it later changes no value."""
     schema = getattr(node.target, "_schema", None)
     return (node.op == "call_function" and getattr(node.target, "namespace", None) == "aten"
-            and schema is not None and not schema.is_mutable)
+            and schema is not None and not schema.is_mutable
+            and torch.Tag.nondeterministic_seeded not in node.target.tags)
 
 
 def _sink(node: fx.Node, depth: int = 8) -> None:
