@@ -58,6 +58,15 @@ def _train(sm: tpcompile.ShardedModel, x: torch.Tensor) -> tuple[list, list]:
     return res, sorted((e.op, e.phase, e.rank, e.shape) for e in events)
 
 
+def _same_training(plain: tpcompile.ShardedModel, fast: tpcompile.ShardedModel, x: torch.Tensor) -> None:
+    """The same collectives and outputs; input and parameter gradients equal up to the order of sums (1e-6)."""
+    (want, want_events), (got, got_events) = _train(plain, x), _train(fast, x)
+    assert got_events == want_events
+    for (out, gx, grads), (rout, rgx, rgrads) in zip(got, want):
+        assert torch.equal(out, rout) and torch.allclose(gx, rgx, atol=1e-6, rtol=0)
+        for k in rgrads:
+            assert torch.allclose(grads[k], rgrads[k], atol=1e-6, rtol=0), k
+
 def test_start_follows_its_input_and_wait_precedes_the_first_reader() -> None:
     """Each row split's sum starts right after the matmul and is waited for right before the residual add."""
     sm, _ = _shard(tpcompile.CommOptions(asynchronous=True))
@@ -88,12 +97,7 @@ def test_async_schedule_and_numerics_equal_the_synchronous_graph() -> None:
     renamed = {"linears_grad_all_reduce": "grad_all_reduce"}
     assert [renamed.get(c.op, c.op) for c, _ in graph_schedule(fast.rank(0))] == \
         [c.op for c, _ in graph_schedule(plain.rank(0))]
-    (want, want_events), (got, got_events) = _train(plain, x), _train(fast, x)
-    assert got_events == want_events
-    for (out, gx, grads), (rout, rgx, rgrads) in zip(got, want):
-        assert torch.equal(out, rout) and torch.allclose(gx, rgx, atol=1e-6, rtol=0)
-        for k in rgrads:
-            assert torch.allclose(grads[k], rgrads[k], atol=1e-6, rtol=0), k
+    _same_training(plain, fast, x)
 
 
 def test_branches_reading_one_input_fuse_their_linears() -> None:
@@ -168,12 +172,7 @@ def test_a_reader_nothing_reads_is_passed_and_numerics_hold() -> None:
     (wait,) = [n for n in nodes if n.target is WAIT]
     assert asserts, "the model no longer records an assertion nothing reads; the test needs another model"
     assert all(nodes.index(a) > nodes.index(wait) for a in asserts)
-    (want, want_events), (got, got_events) = _train(shard["plain"], x), _train(shard["fast"], x)
-    assert got_events == want_events
-    for (out, gx, grads), (rout, rgx, rgrads) in zip(got, want):
-        assert torch.equal(out, rout) and torch.allclose(gx, rgx, atol=1e-6, rtol=0)
-        for k in rgrads:
-            assert torch.allclose(grads[k], rgrads[k], atol=1e-6, rtol=0), k
+    _same_training(shard["plain"], shard["fast"], x)
 
 
 def test_the_wait_moves_no_op_that_draws_random_numbers() -> None:
