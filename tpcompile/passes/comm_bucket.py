@@ -3,7 +3,8 @@
 The rewriter syncs some gradients one parameter at a time: `grad_all_reduce(w)` for a
 replicated parameter applied to split values (norm weights and row biases under sequence
 parallelism, or a value computed from them alone, such as Gemma's `1 + weight`),
-`grad_piece_all_reduce(w, ...)` for a parameter cut into fewer pieces than ranks (kv heads). Each is one backward all-reduce, so their number grows with the parameters.
+`grad_piece_all_reduce(w, ...)` for a parameter cut into fewer pieces than ranks (kv heads).
+Each is one backward all-reduce, so their number grows with the parameters.
 
 This pass collects those whose input derives from parameters alone, orders them as backward
 produces their gradients (reverse graph order), and fills buckets of at most `bucket_bytes`
