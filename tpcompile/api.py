@@ -3,6 +3,7 @@
     capture      capture.capture                      torch.export, every input dim dynamic
     annotate     passes/annotate.annotate_pass        node.meta['tp_rule']: the op table row
     propagate    passes/propagate.propagate_pass      node.meta['tp_placement'], ['tp_layout']
+    pieces       passes/piece_reads.warn_pieces_read_whole  a warning per weight a matmul reads in pieces
     verify       passes/verify_plan.verify_pass       the slices tile every split parameter
     plan         passes/plan.build_plan               ShardedModel.plan
     rewrite(r)   passes/rewrite.rewrite_pass          rank r's GraphModule (on first use)
@@ -35,6 +36,7 @@ from tpcompile.passes.comm_lower import lower_pass
 from tpcompile.passes.comm_options import CommOptions, comm_options
 from tpcompile.passes.pass_context import PassContext, module_path
 from tpcompile.passes.plan import Plan, build_plan
+from tpcompile.passes.piece_reads import warn_pieces_read_whole
 from tpcompile.passes.propagate import propagate_pass
 from tpcompile.passes.rewrite import rewrite_graph, rewrite_pass
 from tpcompile.passes.verify_plan import verify_pass
@@ -75,6 +77,7 @@ def shard_captured(cap: Captured, world_size: int, *, plan: Any = None, group: A
                       overrides=check_overrides(plan, cap.module_paths), sequence_parallel=bool(sequence_parallel))
     gm = annotate_pass(cap.gm, ctx)  # annotate: rule per op, fused-projection segments
     gm = propagate_pass(gm, ctx)  # propagate: placements, column/row/vocab roles
+    warn_pieces_read_whole(gm, ctx)  # weights a matmul reads in pieces stay whole: say so
     gm = verify_pass(gm, ctx)  # verify: parameter slices tile each parameter
     sm = ShardedModel(gm, ctx, cap.model_name, build_plan(gm, ctx))  # plan: what was decided
     sm.comm = comm_options(comm)
