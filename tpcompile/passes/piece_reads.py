@@ -53,16 +53,18 @@ def _piece_matmul(param: Node) -> Optional[tuple[Node, Node]]:
 
 def warn_pieces_read_whole(gm: GraphModule, ctx: PassContext) -> None:
     """Warn once per 2-D-or-more parameter that stays whole because a matmul reads it in pieces."""
+    said: set[int] = set()  # a tied parameter read under two names is said once
     for node in gm.graph.nodes:
         if node.op != "get_attr" or ctx.slice_for(node.target) is not None:
             continue
         t = ctx.tensors.get(node.target)
         owner = owner_path(node.target)
-        if not isinstance(t, nn.Parameter) or t.dim() < 2 or ctx.override_for(owner) == "replicate":
+        if not isinstance(t, nn.Parameter) or t.dim() < 2 or ctx.override_for(owner) == "replicate" or id(t) in said:
             continue
         found = _piece_matmul(node)
         if found is None:
             continue
+        said.add(id(t))
         cut, matmul = found
         silence = (f"plan={{{owner!r}: 'replicate'}} says so explicitly and silences this" if owner else
                    "it belongs to the top-level module, which no plan entry names alone")
