@@ -11,7 +11,7 @@ import os
 import time
 
 import pytest
-from fuzz_cases import COMM, describe_failure, run_case
+from fuzz_cases import COMM, describe_failure, run_case, said
 from fuzz_models import FuzzConfig, fuzz_configs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -65,6 +65,17 @@ def test_fuzz_short() -> None:
     # The property is only worth something if the cases really split: fully split ones must be common.
     assert counts["sharded"] >= SHORT_CASES // 10, summary
     assert all(counts[f"comm {k}"] for k in COMM), summary  # every setting of the comm passes is run
+
+
+def test_an_error_reporting_a_bug_of_its_own_fails_the_property() -> None:
+    """A TPCompileError is an allowed outcome unless it says it is a tpcompile bug (a rank graph the verifier
+    found malformed, say): that one fails, like a crash."""
+    from tpcompile import TPCompileError
+    bug = TPCompileError("rank 0's graph is malformed: x used before defined; this is a tpcompile bug; please "
+                         "report it with the model")
+    assert said(bug).failed and said(bug).kind == "crash"
+    refusal = TPCompileError("input 'x' has size 13 in dim 1, but the capture fixed that dim at 8")
+    assert not said(refusal).failed and said(refusal).kind == "error"
 
 
 @pytest.mark.slow
