@@ -4,7 +4,7 @@ TPCOMPILE_FUZZ_EXAMPLES ?= 2000
 
 .PHONY: test fuzz
 
-# The default suite (about 13 minutes on 2 idle cores), the short fuzz run included.
+# The default suite (4 to 13 minutes on 2 cores, depending on the machine), the short fuzz run included.
 test:
 	$(PYTHON) -m pytest -q
 
