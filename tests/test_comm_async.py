@@ -67,6 +67,7 @@ def _same_training(plain: tpcompile.ShardedModel, fast: tpcompile.ShardedModel, 
         for k in rgrads:
             assert torch.allclose(grads[k], rgrads[k], atol=1e-6, rtol=0), k
 
+
 def test_start_follows_its_input_and_wait_precedes_the_first_reader() -> None:
     """Each row split's sum starts right after the matmul and is waited for right before the residual add."""
     sm, _ = _shard(tpcompile.CommOptions(asynchronous=True))

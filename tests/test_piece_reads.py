@@ -98,3 +98,27 @@ def test_cross_attention_in_proj_is_named(layers: int) -> None:
     assert not any("self_attn.in_proj_weight" in w for w in said)
     assert sm.plan.parameters["layers.0.self_attn.in_proj_weight"].segments == (64, 64, 64)
     _exact(sm, model, x, memory)
+
+
+class SlicedPositions(nn.Module):
+    """Learned positions sliced to the length (`pos[:T]`) and added to the input, then a column/row MLP."""
+
+    def __init__(self, d: int = 32, block: int = 16) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(block, d))
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.pos[: x.shape[1]]
+        return h + self.down(F.gelu(self.up(h)))
+
+
+def test_a_piece_mixed_into_activations_is_not_a_weight_read_in_pieces() -> None:
+    """A slice of a parameter added to the activations reaches the MLP's matmuls as their input, not as a weight:
+    no warning."""
+    torch.manual_seed(0)
+    model = SlicedPositions().eval()
+    x = torch.randn(2, 5, 32)
+    sm, said = _shard(model, x)
+    assert not said
+    _exact(sm, model, x)

@@ -13,22 +13,23 @@ import operator
 import warnings
 from typing import Optional
 
+import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
 from tpcompile.errors import TPCompileWarning
 from tpcompile.passes.pass_context import PassContext, describe, owner_path
-from tpcompile.sharding_rules import op_name
+from tpcompile.sharding_rules import lookup
 
-# ops that cut a parameter into pieces
-_CUTS = {"aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default", "aten.narrow.default",
-         "aten.slice.Tensor", "aten.unsafe_split.Tensor", "aten.tensor_split.sections", "aten.select.int"}
-# ops a piece passes through on its way to the matmul (getitem takes a piece out of a split)
-_THROUGH = {"aten.t.default", "aten.transpose.int", "aten.permute.default", "aten.view.default",
-            "aten.reshape.default", "aten.to.dtype", "aten._to_copy.default", "aten.contiguous.default",
-            "aten.unflatten.int", "aten.clone.default", "aten.alias.default", "aten.detach.default"}
-_MATMULS = {"aten.linear.default", "aten.mm.default", "aten.bmm.default", "aten.matmul.default",
-            "aten.addmm.default", "aten.baddbmm.default", "aten.einsum.default"}
+# rules of the op table (sharding_rules/ops.yaml) by what they do to a parameter on its way to a matmul
+_CUTS = {"split", "slice", "select", "unbind"}  # cut it into pieces
+_THROUGH = {"pointwise", "reshape", "transpose", "permute"}  # carry a piece on (casts, views, copies)
+_MATMULS = {"weight_matmul", "matmul", "einsum"}
+
+
+def _only_tensor_input(node: Node, x: Node) -> bool:
+    """x is the one tensor node reads: a cast or a view of x, not x mixed with something else (`pos[:T] + h`)."""
+    return all(a is x or not isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes)
 
 
 def _piece_matmul(param: Node) -> Optional[tuple[Node, Node]]:
@@ -41,13 +42,13 @@ def _piece_matmul(param: Node) -> Optional[tuple[Node, Node]]:
             if user in seen or user.op != "call_function":
                 continue
             seen.add(user)
-            name = op_name(user.target)
-            if name in _MATMULS and cut is not None:
+            rule = getattr(lookup(user.target), "rule", None)
+            if rule in _MATMULS and cut is not None:
                 return cut, user
-            if name in _CUTS:
+            if rule in _CUTS:
                 stack.append((user, cut or user))
-            elif user.target is operator.getitem or name in _THROUGH:
-                stack.append((user, cut))
+            elif user.target is operator.getitem or (rule in _THROUGH and _only_tensor_input(user, node)):
+                stack.append((user, cut))  # getitem takes a piece out of a split
     return None
 
 
