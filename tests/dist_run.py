@@ -132,6 +132,9 @@ def _run_example(name: str, *args: str) -> str:
     try:
         with contextlib.redirect_stdout(buf):
             runpy.run_path(str(ROOT / "examples" / name), run_name="__main__")
+    except SystemExit as e:  # an example's exit status: 0 is success
+        if e.code not in (0, None):
+            raise
     finally:
         sys.argv = argv
     return buf.getvalue()

@@ -24,6 +24,7 @@ from torch.library import Library
 from tpcompile.ops.inplace import dirty_autograd  # (and all_reduce.inplace, the start's synchronous form)
 from tpcompile.ops.collectives import _run
 from tpcompile.runtime.backends import Backend, DistBackend
+from tpcompile.runtime.failures import collective_error
 
 __all__ = ["all_reduce_start", "wait"]
 
@@ -32,7 +33,7 @@ _lib.define("all_reduce.start(Tensor(a!) x, str group) -> Tensor(a!)")
 _wait_lib = Library("tpcompile_async", "DEF")
 _wait_lib.define("wait(Tensor(a!) x) -> Tensor(a!)")
 
-_pending = threading.local()  # per thread (simulated ranks are threads): id(x) -> (work handle, x)
+_pending = threading.local()  # per thread (simulated ranks are threads): id(x) -> (work handle, x, group)
 
 
 def _works() -> dict:
@@ -43,7 +44,10 @@ def _works() -> dict:
 
 def _launch(backend: Backend, x: torch.Tensor) -> torch.Tensor:
     if isinstance(backend, DistBackend) and x.is_contiguous():
-        _works()[id(x)] = (dist.all_reduce(x, group=backend.pg, async_op=True), x)
+        try:
+            _works()[id(x)] = (dist.all_reduce(x, group=backend.pg, async_op=True), x, backend.pg)
+        except RuntimeError as e:  # a peer already gone (gloo fails the launch itself then)
+            raise collective_error(e, "all_reduce.start", x, backend.pg) from e
         return x
     return x.copy_(backend.all_reduce(x.clone()))
 
@@ -57,7 +61,10 @@ def _wait_kernel(x: torch.Tensor) -> torch.Tensor:
     """Block until the sum launched into x has landed."""
     entry = _works().pop(id(x), None)
     if entry is not None:
-        entry[0].wait()
+        try:
+            entry[0].wait()
+        except RuntimeError as e:  # the sum failed in flight: a dead or stalled peer
+            raise collective_error(e, "all_reduce.start (at its wait)", x, entry[2]) from e
     return x
 
 

@@ -16,26 +16,48 @@ from typing import Any
 
 import torch
 
+from tpcompile.errors import TPCompileError
+from tpcompile.runtime.failures import collective_error
+
 __all__ = ["LOWERED"]
 
 c10d = torch.ops._c10d_functional
 
 
+def _failure(error: RuntimeError, op: str, x: torch.Tensor, group: str) -> TPCompileError:
+    """The TPCompileError for a failed functional collective, its group looked up by name (failure path only)."""
+    try:
+        pg = torch.distributed.distributed_c10d._resolve_process_group(group)
+    except (RuntimeError, ValueError, KeyError):
+        pg = None
+    return collective_error(error, op, x, pg)
+
+
 def _sum(x: torch.Tensor, group: str) -> torch.Tensor:
-    return c10d.wait_tensor(c10d.all_reduce(x.contiguous(), "sum", group))
+    """x summed over ranks."""
+    try:
+        return c10d.wait_tensor(c10d.all_reduce(x.contiguous(), "sum", group))
+    except RuntimeError as e:  # run eagerly, a dead or stalled peer; compiled code raises torch's own error
+        raise _failure(e, "all_reduce", x, group) from e
 
 
 def _gather(x: torch.Tensor, dim: int, ws: int, group: str) -> torch.Tensor:
     """Every rank's x concatenated along dim (gathered on dim 0, then laid out along dim)."""
     moved = x.movedim(dim, 0).contiguous()
-    out = c10d.wait_tensor(c10d.all_gather_into_tensor(moved, ws, group))
+    try:
+        out = c10d.wait_tensor(c10d.all_gather_into_tensor(moved, ws, group))
+    except RuntimeError as e:
+        raise _failure(e, "all_gather", x, group) from e
     return out.movedim(0, dim)
 
 
 def _scatter_sum(x: torch.Tensor, dim: int, ws: int, group: str) -> torch.Tensor:
     """x summed over ranks, this rank's chunk along dim."""
     moved = x.movedim(dim, 0).contiguous()
-    out = c10d.wait_tensor(c10d.reduce_scatter_tensor(moved, "sum", ws, group))
+    try:
+        out = c10d.wait_tensor(c10d.reduce_scatter_tensor(moved, "sum", ws, group))
+    except RuntimeError as e:
+        raise _failure(e, "reduce_scatter", x, group) from e
     return out.movedim(0, dim)
 
 

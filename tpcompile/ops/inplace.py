@@ -21,6 +21,7 @@ from torch.library import Library
 
 from tpcompile.ops.collectives import _run
 from tpcompile.runtime.backends import Backend, DistBackend
+from tpcompile.runtime.failures import collective_error
 
 __all__ = ["all_reduce_inplace"]
 
@@ -31,7 +32,10 @@ _lib.define("all_reduce.inplace(Tensor(a!) x, str group) -> Tensor(a!)")
 def _sum_into(backend: Backend, x: torch.Tensor) -> torch.Tensor:
     """x summed over the backend's ranks, written into x."""
     if isinstance(backend, DistBackend) and x.is_contiguous():
-        dist.all_reduce(x, group=backend.pg)
+        try:
+            dist.all_reduce(x, group=backend.pg)
+        except RuntimeError as e:  # a dead or stalled peer, told with the graph node and the silent rank
+            raise collective_error(e, "all_reduce.inplace", x, backend.pg) from e
         return x
     return x.copy_(backend.all_reduce(x.clone()))
 

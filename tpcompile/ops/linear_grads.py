@@ -19,6 +19,7 @@ from torch.library import Library
 
 from tpcompile.ops.collectives import _run
 from tpcompile.runtime.backends import Backend, DistBackend
+from tpcompile.runtime.failures import collective_error
 
 __all__ = ["linears_grad_all_reduce"]
 
@@ -49,7 +50,10 @@ def _fake(tensors: list, has_bias: list, group: str) -> list[torch.Tensor]:
 def _launch(backend: Backend, gi: torch.Tensor, works: list) -> torch.Tensor:
     """Start summing gi in place: asynchronously under torch.distributed, at once on a simulated rank."""
     if isinstance(backend, DistBackend) and gi.is_contiguous():
-        works.append(dist.all_reduce(gi, group=backend.pg, async_op=True))
+        try:
+            works.append((dist.all_reduce(gi, group=backend.pg, async_op=True), backend.pg))
+        except RuntimeError as e:  # a peer already gone
+            raise collective_error(e, "all_reduce of the input gradient", gi, backend.pg) from e
         return gi
     return gi.copy_(backend.all_reduce(gi.clone()))
 
@@ -74,8 +78,11 @@ def _backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple:
         g2 = g.reshape(-1, g.shape[-1])
         gws.append(g2.t().mm(x2.to(g.dtype)).to(w.dtype))
         gbs.append(g2.sum(0).to(w.dtype) if has_bias else None)
-    for work in works:
-        work.wait()
+    for work, pg in works:
+        try:
+            work.wait()
+        except RuntimeError as e:  # the sum failed in flight: a dead or stalled peer
+            raise collective_error(e, "all_reduce of the input gradient", gi, pg) from e
     return None, None, gi, *gws, *(b for b in gbs if b is not None)
 
 

@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 
 from tpcompile.errors import TPCompileError
+from tpcompile.runtime.failures import collective_error
 
-__all__ = ["Backend", "DistBackend", "current_backend", "rank_of", "register_group", "register_resolver",
-           "unregister_group", "world_size_of"]
+__all__ = ["Backend", "DistBackend", "current_backend", "forget_process_groups", "rank_of", "register_group",
+           "register_resolver", "unregister_group", "world_size_of"]
 
 # torch >= 2.13 renames the tensor-in/tensor-out collectives; older releases keep the old names.
 _gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -35,7 +36,11 @@ class Backend(Protocol):
 
 
 class DistBackend:
-    """Collectives over one torch.distributed process group (None means WORLD)."""
+    """Collectives over one torch.distributed process group (None means WORLD).
+
+    A torch.distributed failure (a dead or stalled peer) becomes a TPCompileError naming the
+    collective, its graph node and the silent rank (tpcompile.runtime.failures).
+    """
 
     def __init__(self, pg: Any) -> None:
         """Bind the process group and read this process's place in it."""
@@ -47,7 +52,10 @@ class DistBackend:
         """Sum x over the group into a fresh tensor."""
         out = x.clone(memory_format=torch.contiguous_format)
         if self.world_size > 1:  # a group of one rank (the hybrid runtime at tp = 1) has nothing to exchange
-            dist.all_reduce(out, group=self.pg)
+            try:
+                dist.all_reduce(out, group=self.pg)
+            except RuntimeError as e:
+                raise collective_error(e, "all_reduce", x, self.pg) from e
         return out
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -57,10 +65,16 @@ class DistBackend:
             return x.clone()
         if dim == 0:
             out = x.new_empty((x.shape[0] * self.world_size, *x.shape[1:]))
-            _gather_single(out, x, group=self.pg)
+            try:
+                _gather_single(out, x, group=self.pg)
+            except RuntimeError as e:
+                raise collective_error(e, "all_gather", x, self.pg) from e
             return out
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x, group=self.pg)
+        try:
+            dist.all_gather(parts, x, group=self.pg)
+        except RuntimeError as e:
+            raise collective_error(e, "all_gather", x, self.pg) from e
         return torch.cat(parts, dim)
 
     def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -71,10 +85,17 @@ class DistBackend:
         shape[dim] //= self.world_size
         out = x.new_empty(shape)
         if dim == 0:
-            _scatter_single(out, x.contiguous(), group=self.pg)
-        else:
-            chunks = [c.contiguous() for c in x.chunk(self.world_size, dim)]
+            x_in = x.contiguous()
+            try:
+                _scatter_single(out, x_in, group=self.pg)
+            except RuntimeError as e:
+                raise collective_error(e, "reduce_scatter", x, self.pg) from e
+            return out
+        chunks = [c.contiguous() for c in x.chunk(self.world_size, dim)]
+        try:
             dist.reduce_scatter(out, chunks, group=self.pg)
+        except RuntimeError as e:
+            raise collective_error(e, "reduce_scatter", x, self.pg) from e
         return out
 
 
@@ -93,6 +114,12 @@ def register_group(key: str, group: dist.ProcessGroup | int) -> None:
 def unregister_group(key: str) -> None:
     """Forget the group registered under key, if any."""
     _groups.pop(key, None)
+
+
+def forget_process_groups() -> None:
+    """Unregister every torch.distributed group (destroyed ones must not be kept alive); int world sizes stay."""
+    for key in [k for k, g in _groups.items() if not isinstance(g, int)]:
+        del _groups[key]
 
 
 def register_resolver(resolver: Callable[[str], Optional[Backend]]) -> None:

@@ -40,8 +40,12 @@ class _Recorder(Interpreter):
         op = collective_name(target)
         if op is not None:
             x = args[0]
-            self.entries.append(CollectiveCall(op, tuple(str(d) for d in x.shape), str(x.dtype),
-                                               self._named(args[1:])))
+            if isinstance(x, (list, tuple)):  # a bucket of tensors (grad_bucket_all_reduce): each one's shape
+                shape = tuple(f"({', '.join(str(d) for d in t.shape)})" for t in x)
+                dtype = ",".join(sorted({str(t.dtype) for t in x}))
+            else:
+                shape, dtype = tuple(str(d) for d in x.shape), str(x.dtype)
+            self.entries.append(CollectiveCall(op, shape, dtype, self._named(args[1:])))
         return super().call_function(target, args, kwargs)
 
 
