@@ -11,6 +11,7 @@ names, so each piece can be sharded by tpcompile on its own and loaded from the 
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -72,17 +73,21 @@ def _assign(gm: GraphModule, blocks: list[str]) -> list[Piece]:
     pieces: list[Piece] = []
     by_key: dict[Any, Piece] = {}
     current: Optional[int] = None  # the block whose span we are in, if any
+    key_of: dict[Node, Any] = {}
     for i, n in enumerate(body):
         b = owner[n]
         if b is None and current is not None and last[current] > i:
             b = current  # an untraced helper node inside a block's span belongs to the block
-        if b is not None:
+        if n.target is operator.getitem and isinstance(n.args[0], Node) and n.args[0] in key_of:
+            key: Any = key_of[n.args[0]]  # an element of a multi-output op stays with it: tuples never cross
+        elif b is not None:
             current = b
-            key: Any = b
+            key = b
         elif current is None:
             key = "pre"
         else:
             key = "post" if current == max(last) else f"glue.{current}"
+        key_of[n] = key
         if key not in by_key:
             name = blocks[key] if isinstance(key, int) else key
             by_key[key] = Piece(name, isinstance(key, int))

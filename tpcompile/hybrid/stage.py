@@ -9,6 +9,8 @@ and reads its parameters at their original names on the stage itself; each block
 from __future__ import annotations
 
 import operator
+
+import torch
 from torch import fx, nn
 from torch.fx import GraphModule, Node
 
@@ -45,7 +47,8 @@ def build_stage(index: int, pieces: list[Piece], ranked: list[GraphModule], inpu
         else:
             results = _inline(graph, root, gm, args)
         env.update(zip(piece.outputs, results))
-    graph.output(tuple(env[o] for o in outputs) if len(outputs) != 1 else env[outputs[0]])
+    sent = [_contiguous(graph, env[o], o) for o in outputs]
+    graph.output(tuple(sent) if len(sent) != 1 else sent[0])
     stage = GraphModule(root, graph, class_name=f"Stage{index}")
     stage.graph.eliminate_dead_code()  # (block outputs only later stages use, unused getitems)
     stage.recompile()
@@ -54,6 +57,17 @@ def build_stage(index: int, pieces: list[Piece], ranked: list[GraphModule], inpu
     stage.meta["stage"] = index
     stage.meta["names"] = _model_names(stage)
     return stage
+
+
+def _contiguous(graph: fx.Graph, value: Node, captured: Node) -> Node:
+    """`value` in one dense block when it is a tensor: send/recv move a tensor's storage as it lies."""
+    val = captured.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return value
+    # a view (permute, expand, a chunk) cannot be sent; contiguous() copies only those
+    node = graph.call_function(torch.ops.aten.contiguous.default, (value,))
+    node.meta["val"] = val
+    return node
 
 
 KEEP_META = ("val", "tensor_meta", "nn_module_stack", "stack_trace")

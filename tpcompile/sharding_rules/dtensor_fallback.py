@@ -201,8 +201,10 @@ def _answer(out: Any, schema: Any, b: _Schema, node: Node, ctx: RuleContext) -> 
         p = REPLICATE if spec is None else _ours(spec.placements[0], layout)
         if p is None:
             return None
-        if isinstance(p, Shard) and not layout.plain and {_hint(val.shape[p.dim])} != b.split_sizes:
-            return None  # the op changes the size of a dim laid out in segments or pieces
+        if isinstance(p, Shard) and (not layout.plain or layout.seq) and {_hint(val.shape[p.dim])} != b.split_sizes:
+            # the op changes the size of a dim laid out in segments or pieces, or of the token dim, whose
+            # per-rank share is known only at run time (a reshape of tokens is shape.py's to decide)
+            return None
         outs.append(p)
     if out.use_val_from_redistribute_schema and any(isinstance(p, Shard) for p in outs):
         return None  # DTensor would change a size argument for the local op

@@ -229,3 +229,19 @@ def not_token_split(shape: Sequence[Size], world_size: int) -> Optional[str]:
 def norm_dim(dim: int, ndim: int) -> int:
     """A dimension index made non-negative."""
     return dim + ndim if dim < 0 else dim
+
+
+def period(xs: list) -> list:
+    """The shortest prefix that repeats to make xs."""
+    for n in range(1, len(xs) + 1):
+        if len(xs) % n == 0 and xs[:n] * (len(xs) // n) == xs:
+            return xs[:n]
+    return xs
+
+
+def exact_size(x: Size) -> Optional[Size]:
+    """x as an int or a whole sympy expression, or None when it is a fraction."""
+    x = sympy.simplify(sympy.sympify(x))
+    if x.is_Integer:
+        return int(x)
+    return x if sympy.fraction(x)[1] == 1 and x.is_positive is not False else None

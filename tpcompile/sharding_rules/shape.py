@@ -10,8 +10,10 @@ from torch.fx import Node
 
 from tpcompile.placement import REPLICATE, Replicate, Shard, local_sizes, moved, shard, shard_of
 from tpcompile.sharding_rules.registry import rule
-from tpcompile.sharding_rules.rule_context import Result, RuleContext, Size, Want, norm_dim, prod, sizes_equal
+from tpcompile.sharding_rules.rule_context import (Result, RuleContext, Size, Want, exact_size, norm_dim, period,
+                                                    prod, sizes_equal)
 from tpcompile.sharding_rules.table import RuleSpec
+from tpcompile.sharding_rules.tokens import merged_tokens
 
 _ALONG = {"dim_arg": int, "default_dim": int}  # ops acting along one dim: its argument position, default
 
@@ -84,7 +86,7 @@ def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: i
         inner = prod([ins[d] for d in gi[t + 1:]])
         if not isinstance(inner, int):
             return None, "the sharded dim is merged with a dynamic dim after it"
-        segs = list(p.segments or (_exact(ins[p.dim] / (p.outer or 1)),))
+        segs = list(p.segments or (exact_size(ins[p.dim] / (p.outer or 1)),))
         blocks = [s * inner for s in segs]  # one repetition, in element order
         outs_g = [outs[d] for d in gj]
         why = f"reshape to {tuple(outs)} cuts through the per-rank blocks of dim {p.dim}"
@@ -97,10 +99,15 @@ def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: i
                 if sizes_equal(pre, count) and size == sum(one) and not any(s % g for s, g in zip(one, p.seg_pieces)):
                     return shard_of(gj[u], one, p.seg_pieces, ws), ""
                 continue
-            one = _period([f // q for f in blocks])
+            one = period([f // q for f in blocks])
             k = len(blocks) // len(one)  # repetitions inside one run of blocks
-            m = _exact(sympy.sympify(size) / sum(one))  # runs folded into this dim
+            m = exact_size(sympy.sympify(size) / sum(one))  # runs folded into this dim
             if m is None or not sizes_equal(pre * m, count * k):
+                continue
+            merged = merged_tokens(blocks, inner, q, ws) if p.seq else 1
+            if merged > 1:  # the tokens are gathered first (passes/op_result.py, gathering_seq)
+                why = (f"reshape of {tuple(ins)} to {tuple(outs)} puts {merged} neighbouring tokens in one entry "
+                       f"of dim {gj[u]}; a rank's share of the tokens need not be a multiple of {merged}")
                 continue
             if not p.seq and any(s % (p.pieces or ws) for s in one):  # a finer dim may still hold whole blocks
                 sizes = "x".join(str(s) for s in outs_g)
@@ -113,22 +120,6 @@ def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: i
             return replace(shard(gj[u], one), outer=None if m == 1 else m, pieces=p.pieces, seq=p.seq), ""
         return None, why
     return None, "sharded dim not found"
-
-
-def _period(xs: list) -> list:
-    """The shortest prefix that repeats to make xs."""
-    for n in range(1, len(xs) + 1):
-        if len(xs) % n == 0 and xs[:n] * (len(xs) // n) == xs:
-            return xs[:n]
-    return xs
-
-
-def _exact(x: Size) -> Optional[Size]:
-    """x as an int or a whole sympy expression, or None when it is a fraction."""
-    x = sympy.simplify(sympy.sympify(x))
-    if x.is_Integer:
-        return int(x)
-    return x if sympy.fraction(x)[1] == 1 and x.is_positive is not False else None
 
 
 def _regroup(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: int) -> Optional[int]:
