@@ -36,7 +36,9 @@ def test_load_at_four_ranks() -> None:
     """Each of 4 ranks reads its slices (padded vocab of 250, q|k|v segments); outputs equal the original."""
     _, other = small_inputs()
     sm = tpcompile.shard(_other_weights(), 4)
-    ranks = [dcp.load(sm.rank(r), results()["ckpt"], sharded=sm, rank=r, no_dist=True) for r in range(4)]
+    ranks = [sm.rank(r) for r in range(4)]
+    for r, gm in enumerate(ranks):
+        dcp.load(gm, results()["ckpt"], sharded=sm, rank=r, no_dist=True)
     assert ranks[3].lm_head.weight.shape == (63, 64)  # 250 padded to 252
     outs = tpcompile.simulate_ranks(4, lambda r: ranks[r](other))
     with torch.no_grad():

@@ -9,10 +9,13 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
+from tpcompile.checkpoint.buffers import no_value_error, non_persistent
+from tpcompile.checkpoint.dtypes import SAFETENSORS_DTYPES, check_cast
+from tpcompile.checkpoint.files import load_state_file, safetensors_index, safetensors_open
 from tpcompile.errors import TPCompileError
 from tpcompile.placement import rank_pieces
 
-__all__ = ["WeightSource", "allocate", "load_rank_weights", "open_weights", "retarget"]
+__all__ = ["UNFILLED", "WeightSource", "allocate", "load_rank_weights", "open_weights", "retarget"]
 
 Weights = Union[dict, str, os.PathLike, Iterable]
 
@@ -20,20 +23,38 @@ Weights = Union[dict, str, os.PathLike, Iterable]
 class WeightSource:
     """Named full-size tensors that can be read a slice at a time."""
 
-    def __init__(self, tensors: Optional[dict] = None, files: Optional[dict[str, Path]] = None) -> None:
+    def __init__(self, tensors: Optional[dict] = None, files: Optional[dict[str, Path]] = None,
+                 origin: Optional[dict[str, str]] = None) -> None:
         self._tensors = tensors or {}
         self._files = files or {}  # tensor name -> the safetensors file holding it
+        self._origin = origin or {}  # tensor name -> the .pt file it came from
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors or name in self._files
+
+    def where(self, name: str) -> str:
+        """Where `name` is stored, for messages: its file, or the state dict."""
+        if name in self._files:
+            return f"weights file {str(self._files[name])!r}"
+        return f"weights file {self._origin[name]!r}" if name in self._origin else "the weights state dict"
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The stored (global) shape of `name`."""
         if name in self._tensors:
             return tuple(self._tensors[name].shape)
-        from safetensors import safe_open
-        with safe_open(str(self._files[name]), framework="pt") as f:
+        with safetensors_open(self._files[name], name) as f:
             return tuple(f.get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The stored dtype of `name`."""
+        if name in self._tensors:
+            return self._tensors[name].dtype
+        with safetensors_open(self._files[name], name) as f:
+            code = f.get_slice(name).get_dtype()
+        if code not in SAFETENSORS_DTYPES:
+            raise TPCompileError(f"{self.where(name)}: tensor {name!r} has dtype {code}, which tpcompile cannot "
+                                 f"load; convert the file to float32 or bfloat16")
+        return SAFETENSORS_DTYPES[code]
 
     def fresh(self, name: str) -> bool:
         """True when read() returns a new tensor (from a file) rather than a view of a given one."""
@@ -44,15 +65,22 @@ class WeightSource:
         if name in self._tensors:
             t = self._tensors[name]
             return t if dim is None else t.narrow(dim, start, length)
-        from safetensors import safe_open
         # Opened per read: the file's mapping (and the pages it touched) is released at once,
         # so resident memory stays about one slice above what the rank keeps.
-        with safe_open(str(self._files[name]), framework="pt") as f:
+        with safetensors_open(self._files[name], name) as f:
             if dim is None:
                 return f.get_tensor(name)
             piece = f.get_slice(name)
             ndim = len(piece.get_shape())
             return piece[tuple(slice(start, start + length) if d == dim else slice(None) for d in range(ndim))]
+
+    def check(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Raise naming the file and tensor unless the stored `key` has `shape` and loads into `dtype`."""
+        stored = self.shape(key)
+        if stored != tuple(shape):
+            raise TPCompileError(f"{self.where(key)}: tensor {key!r} has shape {list(stored)} there but "
+                                 f"{list(shape)} in the model; load weights of this model's config")
+        check_cast(self.dtype(key), dtype, tensor=key, where=self.where(key))
 
 
 def open_weights(weights: Weights) -> WeightSource:
@@ -60,11 +88,19 @@ def open_weights(weights: Weights) -> WeightSource:
     if isinstance(weights, WeightSource):
         return weights
     if isinstance(weights, dict):
+        bad = next((k for k, v in weights.items() if not isinstance(v, torch.Tensor)), None)
+        if bad is not None:
+            raise TPCompileError(f"the weights state dict's entry {bad!r} is a {type(weights[bad]).__name__}, "
+                                 f"not a tensor; pass model.state_dict() (a dict of tensors)")
         return WeightSource(tensors=weights)
     paths = [Path(weights)] if isinstance(weights, (str, os.PathLike)) else [Path(p) for p in weights]
     files: list[Path] = []
     for p in paths:
         if p.is_dir():
+            if not (p / ".metadata").exists() and any(p.glob("*.distcp")):
+                raise TPCompileError(f"checkpoint directory {str(p)!r} holds .distcp files but no .metadata: the "
+                                     f"save did not finish (the metadata is written last); save it again or "
+                                     f"load an earlier checkpoint")
             files += sorted(p.glob("*.safetensors"))
         elif p.exists():
             files.append(p)
@@ -74,24 +110,21 @@ def open_weights(weights: Weights) -> WeightSource:
         raise TPCompileError(f"no .safetensors files in {[str(p) for p in paths]}")
     tensors: dict = {}
     index: dict[str, Path] = {}
+    origin: dict[str, str] = {}
     for f in files:
         if f.suffix == ".safetensors":
-            from safetensors import safe_open
-            with safe_open(str(f), framework="pt") as handle:
-                index.update((k, f) for k in handle.keys())
+            index.update((k, f) for k in safetensors_index(f))
         else:
-            # weights_only: a checkpoint file can never run code; mmap: pages are read on demand
-            tensors.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
-    return WeightSource(tensors, index)
+            state = load_state_file(f)
+            tensors.update(state)
+            origin.update((k, str(f)) for k in state)
+    return WeightSource(tensors, index, origin)
 
 
 def _local(src: WeightSource, key: str, like: torch.Tensor, global_shape: tuple, sl: Any,
            rank: int, ws: int, device: torch.device) -> torch.Tensor:
     """This rank's tensor for `key`, read slice by slice straight into its final storage."""
-    stored = src.shape(key)
-    if stored != tuple(global_shape):
-        raise TPCompileError(f"weight {key!r} has shape {list(stored)} in the weights but "
-                             f"{list(global_shape)} in the model; load weights of this model's config")
+    src.check(key, global_shape, like.dtype)
     pieces = None if sl is None else rank_pieces(sl, global_shape[sl.dim], rank, ws)
     if src.fresh(key) and (pieces is None or (len(pieces) == 1 and pieces[0][2] == like.shape[sl.dim])):
         # one read that is already a private tensor of the local shape: keep it, no second copy
@@ -128,18 +161,35 @@ def load_rank_weights(gm: GraphModule, sharded: Any, rank: int, weights: Weights
 
     missing = _rebuild(gm, device, make)
     if missing:
-        raise TPCompileError(f"the weights lack {len(missing)} tensor(s) the model holds on the meta "
-                             f"device: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; "
-                             f"add them to the state dict (non-persistent buffers too) or build "
-                             f"those modules on a real device")
+        raise no_value_error(missing, non_persistent(sharded.captured), describe(weights))
     return gm
 
 
+def describe(weights: Weights) -> str:
+    """The weights as a message names them."""
+    if isinstance(weights, dict):
+        return "the weights state dict"
+    if isinstance(weights, (str, os.PathLike)):
+        return f"the weights {str(weights)!r}"
+    return f"the weights {[str(w) for w in weights]}" if isinstance(weights, (list, tuple)) else "the weights"
+
+
+UNFILLED = "tpcompile_unfilled"  # gm.meta key: the names of the tensors allocate() zero-filled (no value yet)
+
+
 def allocate(gm: GraphModule, *, device: Union[str, torch.device, None] = None) -> GraphModule:
-    """Give every meta tensor of a rank module zero-filled storage of its (local) shape, tied ones once."""
+    """Give every meta tensor of a rank module zero-filled storage of its (local) shape, tied ones once.
+
+    The names it filled are kept in gm.meta[UNFILLED], so a later load (tpcompile.dcp.load) can require
+    a value for each of them instead of leaving zeros.
+    """
     device = torch.device(device) if device is not None else _default_device(gm)
+    held = list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))
+    names = {name for name, t in held if t.is_meta}
     _rebuild(gm, device, lambda name, old: torch.zeros(old.shape, dtype=old.dtype, device=device)
              if old.is_meta else old.detach().to(device))
+    if names:
+        gm.meta.setdefault(UNFILLED, set()).update(names)
     return gm
 
 
@@ -182,14 +232,20 @@ def _put(root: nn.Module, name: str, value: torch.Tensor, is_param: bool) -> Non
 
 
 def retarget(gm: GraphModule, old: torch.device, new: torch.device) -> None:
-    """Factory calls that capture baked onto the capture device (arange(..., device=meta)) run on new."""
+    """Calls that capture baked onto the capture device (arange(..., device=meta), x.to(meta)) run on new."""
     if old == new:
         return
     changed = False
     for node in gm.graph.nodes:
-        dev = node.kwargs.get("device") if node.op == "call_function" else None
+        if node.op != "call_function":
+            continue
+        dev = node.kwargs.get("device")
         if dev is not None and torch.device(dev) == old:
             node.update_kwarg("device", new)
             changed = True
+        for i, a in enumerate(node.args):  # a positional device: aten.to.device(x, device, dtype)
+            if isinstance(a, torch.device) and a == old:
+                node.update_arg(i, new)
+                changed = True
     if changed:
         gm.recompile()
