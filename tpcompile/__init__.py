@@ -4,13 +4,14 @@ from tpcompile.passes.comm_options import CommOptions
 from tpcompile.errors import TPCompileError, TPCompileWarning
 from tpcompile.generate import shard_generation
 from tpcompile.hybrid import init_mesh, parallelize_train
+from tpcompile.runtime.gradient_check import check_gradients
 from tpcompile.runtime.parallelize import parallelize
 from tpcompile.runtime.simulator import simulate, simulate_ranks
 from tpcompile.strategy import plan_parallel
 
 __all__ = ["shard", "parallelize", "ShardedModel", "simulate", "simulate_ranks", "TPCompileError",
            "TPCompileWarning", "shard_generation", "init_mesh", "parallelize_train", "plan_parallel", "dcp",
-           "CommOptions"]
+           "CommOptions", "check_gradients"]
 __version__ = "0.1.0"
 
 

@@ -1,12 +1,14 @@
-"""`tpcompile verify MODEL`: simulate every rank on random inputs and compare with the original model."""
+"""`tpcompile verify MODEL [--train]`: simulate every rank on random inputs and compare with the original model
+(with --train also one backward: the loss and every parameter's gradient)."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import torch
 
 import tpcompile
-from tpcompile.cli.common import add_model_args, load, shard, stdout_console
+from tpcompile.cli.common import Loaded, add_model_args, load, shard, stdout_console, tolerance
 from tpcompile.cli.compare import OutputCheck, check_outputs
 from tpcompile.cli.inputs import inputs_from_specs, parse_input_spec, random_like
 from tpcompile.cli.progress import step
@@ -24,14 +26,21 @@ def add_parser(sub: argparse._SubParsersAction, parent: argparse.ArgumentParser,
                                    "inputs' shapes), run all ranks in the in-process simulator and the original "
                                    "model, print the largest absolute and relative difference per output, exit 1 "
                                    "when one exceeds atol + rtol * max|output| (torch.testing.assert_close's "
-                                   "defaults for the output's dtype: 1e-5 and 1.3e-6 for float32).")
+                                   "defaults for the output's dtype: 1e-5 and 1.3e-6 for float32). With --train, "
+                                   "also one backward of the loss sum(output * a random tensor): the loss and every "
+                                   "parameter's gradient on every rank against the original's (within atol + rtol * "
+                                   "max|gradient|), exit 1 naming the parameter and rank of the worst mismatch.")
     add_model_args(p)
-    p.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: by dtype, 1e-5 for float32)")
-    p.add_argument("--rtol", type=float, default=None,
+    p.add_argument("--atol", type=tolerance, default=None, help="absolute tolerance (default: by dtype, 1e-5 for float32)")
+    p.add_argument("--rtol", type=tolerance, default=None,
                    help="tolerance relative to the largest |value| of the output (default: by dtype, 1.3e-6 for "
                         "float32)")
-    p.add_argument("--tol", dest="atol", type=float, help=argparse.SUPPRESS)  # older spelling of --atol
-    p.add_argument("--seed", type=int, default=VERIFY_SEED, help="seed of the random inputs")
+    p.add_argument("--tol", dest="atol", type=tolerance, help=argparse.SUPPRESS)  # older spelling of --atol
+    p.add_argument("--seed", type=int, default=VERIFY_SEED, help="seed of the random inputs (and, with --train, of "
+                                                                 "the loss's random weights)")
+    p.add_argument("--train", action="store_true",
+                   help="also run one backward and compare every parameter's gradient on every rank with the "
+                        "original's (tpcompile.check_gradients)")
     p.set_defaults(func=run)
 
 
@@ -67,6 +76,8 @@ def run(ns: argparse.Namespace) -> int:
     for r in range(ns.world_size):
         with step(f"building rank {r} of {ns.world_size}"):
             sm.rank(r)
+    if ns.train:
+        return run_train(ns, loaded, sm, args, kwargs)
     with torch.no_grad():
         with step("running the original model"):
             expected = loaded.model(*args, **kwargs)
@@ -81,3 +92,17 @@ def run(ns: argparse.Namespace) -> int:
     ok, numbers = verdict(checks, ns.world_size)
     say(f"{'OK' if ok else 'FAIL'}: {numbers}")
     return 0 if ok else 1
+
+
+def run_train(ns: argparse.Namespace, loaded: Loaded, sm: Any, args: tuple, kwargs: dict) -> int:
+    """One forward and backward of every rank and of the original; 0 when the loss and every gradient agree, else 1."""
+    with step(f"simulating {ns.world_size} ranks and the original model, forward and backward"):
+        report = tpcompile.check_gradients(loaded.model, sm, *args, seed=ns.seed, atol=ns.atol, rtol=ns.rtol,
+                                           **kwargs)
+    console = stdout_console()
+    say = lambda text: console.print(text, highlight=False, markup=False, soft_wrap=True)  # noqa: E731
+    say(f"verify --train {loaded.name} at world size {ns.world_size} on random inputs ({loaded.inputs}, seed "
+        f"{ns.seed}): one forward and backward of the loss sum(output * a random tensor of seed {ns.seed})")
+    for line in report.lines():
+        say(line)
+    return 0 if report.ok else 1
