@@ -123,3 +123,79 @@ def test_meta_model_reads_its_slices_from_safetensors(data_parallel: str, tmp_pa
     ranks = launch(4, meta_rank, str(tmp_path / "w.safetensors"), data_parallel, timeout=600)
     want = tiny_reference("gpt", 3)["losses"]
     assert max(relative(a, b) for r in ranks for a, b in zip(r, want)) < 1e-9
+
+
+USER_MODEL = "tests/user_lm.py:make"  # a factory with no example_inputs() and no seed of its own
+
+
+@pytest.mark.parametrize("layout", [(2, 2, 2), (2, 4, 1), (1, 2, 4)], ids=lambda t: "x".join(map(str, t)))
+def test_user_model_file_gives_the_reference_losses(layout: tuple[int, int, int]) -> None:
+    """A user's model file under torchrun: each rank builds it after seed 0, losses equal the reference's."""
+    args = ["--model", USER_MODEL, "--inputs", "4x16:long", "--steps", "3", "--json"]
+    out = run_example([*layout_args(*layout), *args], nproc=math.prod(layout))
+    ref = run_example(["--dp", "1", "--tp", "1", "--pp", "1", *args])
+    record("user_model", {**out, "loss_diff": worst_relative(out["losses"], ref["losses"])})
+    assert worst_relative(out["losses"], ref["losses"]) < TOLERANCE, (out["losses"], ref["losses"])
+
+
+PRECISION_LAYOUTS = [(2, 2, 1), (1, 2, 2), (2, 1, 2)]
+PRECISION_RTOL = 1e-2  # bf16 against the same policy in one process
+
+
+@pytest.mark.parametrize("layout", PRECISION_LAYOUTS, ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("model", MODELS)
+def test_bf16_mixed_precision_gives_the_reference_losses(model: str, layout: tuple[int, int, int]) -> None:
+    """bf16 compute, float32 weights, state and reductions: 10 AdamW steps within 1e-2 of the policy in one process."""
+    args = ["--model", model, "--layers", "4", "--inputs", "8x16:long", "--steps", "10", "--mixed-precision", "bf16",
+            "--json"]
+    out = run_example([*layout_args(*layout), *args], nproc=math.prod(layout))
+    ref = run_example(["--dp", "1", "--tp", "1", "--pp", "1", *args])
+    diff = worst_relative(out["losses"], ref["losses"])
+    record("mixed_precision", {**out, "loss_diff": diff})
+    assert diff < PRECISION_RTOL, (out["losses"], ref["losses"])
+
+
+RESUME_LAYOUTS = [(2, 1, 2), (1, 1, 1)]
+RESUME_RTOL = 1e-6  # float32: resumed at another layout against the uninterrupted run
+DROPOUT = ["--config", "dropout=0.1"]
+
+
+def _resume_args(dropout: bool) -> list[str]:
+    """The GPT of the resume cases, with dropout on or off."""
+    return ["--model", "gpt", "--layers", "4", "--inputs", "8x16:long", "--json", *(DROPOUT if dropout else [])]
+
+
+@functools.cache
+def _saved_121(dropout: bool) -> Path:
+    """A directory holding the whole training state saved at (1, 2, 1) after 3 AdamW steps."""
+    path = Path(tempfile.mkdtemp(prefix="tpcompile-resume-")) / "ckpt"
+    run_example([*layout_args(1, 2, 1), *_resume_args(dropout), "--steps", "3", "--checkpoint-dir", str(path),
+                 "--save-every", "3"], nproc=2)
+    return path
+
+
+@functools.cache
+def _six_steps(dropout: bool) -> list[float]:
+    """The uninterrupted 6 steps: the plain single process, or with dropout (tpcompile's masks) (1, 2, 1)."""
+    if dropout:
+        return run_example([*layout_args(1, 2, 1), *_resume_args(True), "--steps", "6"], nproc=2)["losses"]
+    return run_example([*layout_args(1, 1, 1), *_resume_args(False), "--steps", "6"])["losses"]
+
+
+@pytest.mark.parametrize("dropout", [False, True], ids=["no-dropout", "dropout"])
+@pytest.mark.parametrize("layout", RESUME_LAYOUTS, ids=lambda t: "x".join(map(str, t)))
+def test_training_state_saved_at_121_resumes_at(layout: tuple[int, int, int], dropout: bool, tmp_path: Path) -> None:
+    """Saved at (1, 2, 1) after 3 steps (weights, AdamW, step, RNG), resumed at another layout for 3 more: the
+    losses of 6 uninterrupted steps within 1e-6 (with dropout, (1, 1, 1) is one torchrun process: tpcompile's masks)."""
+    import shutil
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(_saved_121(dropout), ckpt)
+    procs = math.prod(layout) if layout != (1, 1, 1) or dropout else None
+    out = run_example([*layout_args(*layout), *_resume_args(dropout), "--steps", "6", "--checkpoint-dir", str(ckpt)],
+                      nproc=procs)
+    want = _six_steps(dropout)
+    diff = worst_relative(out["losses"], want[3:])
+    record("resume", {"saved": "(1, 2, 1)", "loaded": str(layout), "dropout": dropout, "loss_diff": diff,
+                      "start_step": out["start_step"]})
+    assert out["start_step"] == 3
+    assert diff < RESUME_RTOL, (out["losses"], want[3:])

@@ -243,6 +243,13 @@ def test_strategy_record_feeds_the_runtime() -> None:
     assert s.table().count(" x dp ") >= 2 and "chosen" in s.table()
 
 
+def test_strategy_asks_the_runtime_for_the_precision_it_priced() -> None:
+    """A bf16 cluster's strategy passes mixed_precision='bf16' to parallelize_train; an fp32 cluster's passes None."""
+    for dtype, want in (("bf16", "bf16"), ("fp32", None)):
+        s = plan_parallel(GPT(GPTConfig(n_layer=2)), Cluster(gpus=2, dtype=dtype), global_batch=8, seq_len=SEQ)
+        assert s.train_kwargs["mixed_precision"] == want and s.to_dict()["mixed_precision"] == want
+
+
 def test_this_machine_reads_the_cache(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The calibration is read from its cache without measuring; ranks beyond the cores divide the rates."""
     monkeypatch.setenv("TPCOMPILE_CACHE_DIR", str(tmp_path))

@@ -46,6 +46,7 @@ class InputLayout:
         self.spec = pytree.tree_structure((tuple(args), dict(kwargs)))
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.tensor_positions = [i for i, n in enumerate(placeholders) if isinstance(n.meta.get("val"), torch.Tensor)]
+        self.leaf_names = [n.name for n in placeholders]  # the captured graph's flat input names
         self.tensor_names = [name for name, v in self.example.items() if _has_tensor(v)]
         info = getattr(gm.graph._codegen, "pytree_info", None)
         self.out_spec = info.out_spec if info is not None else None
@@ -55,6 +56,11 @@ class InputLayout:
 
     def first_stage_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         """step()'s arguments as the first stage's tensors, in capture order."""
+        leaves = self.flat_inputs(args, kwargs)
+        return [leaves[i] for i in self.tensor_positions]
+
+    def flat_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
+        """step()'s arguments as the captured graph's flat inputs (its placeholders' values), in capture order."""
         try:
             given = self.signature.bind_partial(*args, **kwargs).arguments
         except TypeError as e:
@@ -75,7 +81,7 @@ class InputLayout:
         if spec != self.spec:
             raise TPCompileError(f"step() inputs have the structure {spec}, but the model was captured with "
                                  f"{self.spec}; pass inputs shaped like example_inputs")
-        return [leaves[i] for i in self.tensor_positions]
+        return leaves
 
     def model_output(self, last: Any) -> Any:
         """The last stage's output tensors put back into the model's output structure."""

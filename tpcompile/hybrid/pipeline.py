@@ -16,7 +16,6 @@ from typing import Any, Callable, Optional
 import sympy
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
     PipelineScheduleSingle,
@@ -27,6 +26,8 @@ from torch.distributed.pipelining.schedules import (
 from torch.fx import Node
 
 from tpcompile.errors import TPCompileError, TPCompileWarning
+from tpcompile.hybrid.dp_sync import Stage
+from tpcompile.runtime.failures import lost_peer, translate
 
 Port = tuple[str, Any]  # (name, fake value) of a value a stage receives or sends; no graph reference
 SCHEDULES: dict[str, type] = {"1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B, "gpipe": ScheduleGPipe}
@@ -66,6 +67,10 @@ def _bindings(inputs: list[Port], values: list[torch.Tensor]) -> dict:
 def _meta(port: Port, sizes: dict) -> torch.Tensor:
     """An empty meta tensor shaped like the value at the given sizes (floats carry gradients)."""
     name, val = port
+    if not isinstance(val, torch.Tensor):
+        raise TPCompileError(f"{name} passes from one pipeline stage to another but is a {type(val).__name__}, not a "
+                             f"tensor; stages exchange tensors only: make it a tensor, or compute it in the stage "
+                             f"that uses it")
     shape = []
     for s in val.shape:
         if isinstance(s, torch.SymInt):
@@ -97,6 +102,9 @@ class Pipeline:
         self.first, self.last = 0 in indices, n_stages - 1 in indices
         self._built: dict[tuple, Any] = {}
         self.losses: list[torch.Tensor] = []
+        self.loss_scale = 1.0  # float16: backward runs on the loss times this (runtime/loss_scale.py)
+        self._stages: dict[tuple, list[Stage]] = {}
+        self.accumulate = False  # the step's data-parallel gradient sum waits (dp_sync.py)
 
     def _schedule(self, inputs: list[torch.Tensor]) -> Any:
         """The schedule for microbatches of these inputs' shapes (built once per shape)."""
@@ -107,9 +115,10 @@ class Pipeline:
             stages = []
             for mod, idx in zip(self.modules, self.indices):
                 ins, outs = self.io[idx]
-                stages.append(PipelineStage(mod, idx, self.n_stages, self.device,
+                stages.append(Stage(mod, idx, self.n_stages, self.device,
                                             input_args=tuple(_meta(n, sizes) for n in ins),
                                             output_args=tuple(_meta(n, sizes) for n in outs), group=self.group))
+            self._stages[key] = stages
             one = stages[0] if issubclass(self.cls, PipelineScheduleSingle) else stages
             try:
                 self._built[key] = self.cls(one, n_microbatches=self.microbatches, loss_fn=self._loss,
@@ -123,7 +132,7 @@ class Pipeline:
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         loss = self.loss_fn(output, target)
         self.losses.append(loss.detach())
-        return loss / self.microbatches
+        return loss * (self.loss_scale / self.microbatches)
 
     def step(self, inputs: list[torch.Tensor], target: Any) -> Optional[torch.Tensor]:
         """Forward and backward over all microbatches; the mean microbatch loss on the last stage's rank."""
@@ -132,10 +141,37 @@ class Pipeline:
             raise TPCompileError(f"the batch of {batch} does not split into {self.microbatches} microbatches; pass a "
                                  f"batch (per data-parallel rank) divisible by microbatches={self.microbatches}")
         schedule = self._schedule(inputs)
+        for stage in self._stages[tuple(tuple(t.shape) for t in inputs)]:
+            stage.accumulate = self.accumulate
         self.losses = []
         args = tuple(inputs) if self.first else ()
-        if self.last:
-            schedule.step(*args, target=target, losses=[])
-            return torch.stack(self.losses).mean()
-        schedule.step(*args)
+        try:
+            if self.last:
+                schedule.step(*args, target=target, losses=[])
+                return torch.stack(self.losses).mean()
+            schedule.step(*args)
+        except Exception as e:  # noqa: BLE001  pipelining wraps a stage's own error: raise that one
+            own = _own_error(e)
+            if own is e and any(lost_peer(c) for c in _chain(e)):  # a peer died or stalled in a send or receive
+                own = translate(next(c for c in _chain(e) if lost_peer(c)), group=self.group,
+                                where=f"the pipeline's sends and receives of stage{'s' if len(self.indices) > 1 else ''}"
+                                      f" {', '.join(map(str, self.indices))} of {self.n_stages}")
+            if own is e:
+                raise
+            raise own from e
         return None
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """The error and the ones it was raised from, innermost last."""
+    out: list[BaseException] = []
+    e: Optional[BaseException] = error
+    while e is not None and all(e is not c for c in out):
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out
+
+
+def _own_error(error: BaseException) -> BaseException:
+    """The TPCompileError that a pipelining error wraps ("[Stage 0] failed to run forward"), else the error itself."""
+    return next((e for e in _chain(error) if isinstance(e, TPCompileError)), error)

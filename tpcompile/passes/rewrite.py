@@ -151,8 +151,8 @@ REWRITES: list[tuple[Callable[[Node], bool], Emit]] = [
     (_role("vocab"), lambda em, node, lookup: _emit_vocab(em, node, lookup)),  # own rows, zero the rest, all-reduce
     (is_stats, emit_stats),  # a reduction or norm over the split dim: partial statistics, one small collective
     (lambda node: _stale_metadata_assert(node), _drop),  # asserts a sharded tensor's global size
-    (is_live_dropout, emit_dropout),  # mask from the replicated or the rank's stream
-    (_is_sdpa_with_dropout, emit_sdpa_with_dropout),  # attention spelled out, mask from a rank stream
+    (is_live_dropout, emit_dropout),  # mask from each element's position in the whole tensor (ops/rng.py)
+    (_is_sdpa_with_dropout, emit_sdpa_with_dropout),  # attention spelled out, its probabilities masked alike
     (lambda node: True, _emit_copy),  # everything else: the same op on local values
 ]
 

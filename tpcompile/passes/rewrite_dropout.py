@@ -1,19 +1,30 @@
-"""Rewrite helpers for dropout: masks from the per-rank random streams of tpcompile.ops.rng."""
+"""Rewrite helpers for dropout: masks of tpcompile.ops.rng, told where this rank's elements lie in the whole tensor.
+
+The mask op hashes each element's global position (ops/rng.py), so the rewrite gives it, from the
+node's placement, the runs of global positions this rank holds along the split dim (segments of a
+fused q|k|v, pieces of kv heads, a padded vocabulary, heads folded with the batch, tokens under
+sequence parallelism), and which dims are multiples of the batch, whose global rows the runtime
+gives (`rng.rows`). Attention with dropout is spelled out so that its probabilities get such a mask.
+"""
 from __future__ import annotations
 
-from typing import Any, Callable
+import operator
+from typing import Any, Callable, Optional, Sequence
 
+import sympy
 import torch
 from torch.fx import Node
 
-import tpcompile.ops.rng  # noqa: F401  (registers torch.ops.tpcompile_rng.dropout_mask)
-from tpcompile.placement import Shard
+import tpcompile.ops.rng as rng
+from tpcompile.passes.rewrite_slices import size_node
+from tpcompile.placement import REPLICATE, Shard, segment_ranges
+from tpcompile.sharding_rules.rule_context import to_size
 
 aten = torch.ops.aten
 
 
 def is_live_dropout(node: Node) -> bool:
-    """aten.dropout that is on (training, p > 0): its mask must come from a rank stream."""
+    """aten.dropout that is on (training, p > 0): its mask must come from tpcompile.ops.rng."""
     if node.target is not aten.dropout.default:
         return False
     p, train = node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
@@ -21,14 +32,77 @@ def is_live_dropout(node: Node) -> bool:
 
 
 def emit_dropout(em: Any, node: Node, lookup: Callable[[Node], Node]) -> Node:
-    """x * mask, the mask drawn from the replicated or this rank's own stream."""
-    return _masked(em, lookup(node.args[0]), float(node.args[1]), node.meta.get("tp_placement"))
+    """x * mask, each element's decision drawn from its position in the whole tensor."""
+    shape = list(node.meta["val"].shape)
+    return _masked(em, lookup(node.args[0]), float(node.args[1]), node.name, shape, node.meta.get("tp_placement"))
 
 
-def _masked(em: Any, x: Node, p: float, placement: Any) -> Node:
-    stream = "sharded" if isinstance(placement, Shard) else "replicated"
-    mask = em.call(torch.ops.tpcompile_rng.dropout_mask.default, x, p, stream, em.ctx.group)
+def _masked(em: Any, x: Node, p: float, site: str, shape: Sequence[Any], placement: Any) -> Node:
+    """x times the mask of site `site` for a value of global `shape` laid out as `placement` on em.rank."""
+    split = split_spec(em, placement, shape)
+    rows_of, batch = _rows(em, placement, shape)
+    mask = em.call(torch.ops.tpcompile_rng.dropout_mask.default, x, p, site, em.rank, split, rows_of, batch)
     return em.call(aten.mul.Tensor, x, mask)
+
+
+def split_spec(em: Any, placement: Any, shape: Sequence[Any]) -> list:
+    """dropout_mask's `split` list: where em.rank's positions lie along the dims `placement` splits."""
+    if not isinstance(placement, Shard):
+        return []
+    d, rank, ws = placement.dim, em.rank, em.ws
+    if placement.split_next:  # (piece, part of the next dim): one contiguous run of the two dims merged
+        merged = int(to_size(shape[d])) * int(to_size(shape[d + 1]))
+        return [d, rng.MERGED, rank * merged // ws, int(to_size(shape[d + 1]))]
+    size = sympy.sympify(to_size(shape[d]))
+    block = sympy.simplify(size / sympy.sympify(placement.outer)) if placement.outer is not None else size
+    if placement.seq or not block.is_number:  # tokens (a run-time size) split evenly, in `outer` blocks
+        reps = 1 if placement.outer is None else size_node(em, placement.outer)
+        return [d, rng.EVEN, rank, ws, reps]
+    block = int(block)
+    if placement.pieces:  # one of `pieces` pieces, shared by ws / pieces ranks
+        n = block // placement.pieces
+        k = rank // (ws // placement.pieces)
+        runs = [(k * n, (k + 1) * n)]
+    else:
+        runs = segment_ranges(placement.padded or block, placement.segments, rank, ws, placement.seg_pieces)
+    return [d, rng.RUNS, block, len(runs), *[v for run in runs for v in run]]
+
+
+def _divides(b: Any, size: Any) -> bool:
+    """True when the size is a whole multiple of the batch b (a symbolic size)."""
+    if size is None:
+        return False
+    ratio = sympy.simplify(sympy.sympify(size) / b)
+    return sympy.fraction(ratio)[1] == 1 and ratio != 0
+
+
+def _rows(em: Any, placement: Any, shape: Sequence[Any]) -> tuple[list[int], Any]:
+    """Per dim, 1 where its size (a split dim's `outer` repetitions) is a multiple of the batch; the batch size."""
+    if ("batch_symbol",) not in em.cache:
+        em.cache[("batch_symbol",)] = batch_symbol(em.gm)
+    b = em.cache[("batch_symbol",)]
+    if b is None:
+        return [0] * len(shape), 0
+    flags = []
+    for d, s in enumerate(shape):
+        if isinstance(placement, Shard) and d == placement.dim:
+            flags.append(int(not placement.split_next and _divides(b, placement.outer)))
+        elif isinstance(placement, Shard) and placement.split_next and d == placement.dim + 1:
+            flags.append(0)
+        else:
+            flags.append(int(_divides(b, to_size(s))))
+    return flags, size_node(em, b) if any(flags) else 0
+
+
+def batch_symbol(gm: Any) -> Optional[sympy.Expr]:
+    """The batch size: dim 0 of the graph's first tensor input whose dim 0 is symbolic (what microbatches split)."""
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        val = ph.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dim() > 0:
+            b = to_size(val.shape[0])
+            if not isinstance(b, int):
+                return b
+    return None
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -41,16 +115,17 @@ def _sdpa_args(node: Node) -> dict:
 
 
 def sdpa_dropout(node: Node) -> float:
+    """The dropout probability of a scaled_dot_product_attention node (0 when off)."""
     p = _sdpa_args(node).get("dropout_p", 0.0)
     return float(p) if isinstance(p, (int, float)) else 0.0
 
 
 def emit_sdpa_with_dropout(em: Any, node: Node, lookup: Callable[[Node], Node]) -> Node:
-    """Attention with dropout spelled out, so its mask comes from a rank stream: (B, h, L, S)."""
+    """Attention with dropout spelled out, so its probabilities (B, h, L, S) get a layout-independent mask."""
     a = _sdpa_args(node)
     q, k, v = lookup(a["query"]), lookup(a["key"]), lookup(a["value"])
-    if a.get("enable_gqa"):
-        raise NotImplementedError("dropout inside grouped-query SDPA")
+    if a.get("enable_gqa"):  # each kv head serves a run of query heads, as SDPA's repeat_interleave does
+        k, v = (_repeat_heads(em, q, t) for t in (k, v))
     head_dim = int(a["query"].meta["val"].shape[-1])
     scale = a.get("scale") or head_dim ** -0.5
     scores = em.call(aten.mul.Scalar, em.call(aten.matmul.default, q, em.call(aten.transpose.int, k, -2, -1)), scale)
@@ -66,5 +141,16 @@ def emit_sdpa_with_dropout(em: Any, node: Node, lookup: Callable[[Node], Node]) 
         else:
             scores = em.call(aten.add.Tensor, scores, m)
     probs = em.call(aten.softmax.int, scores, -1)
-    probs = _masked(em, probs, sdpa_dropout(node), node.meta.get("tp_placement"))
+    q_shape, k_shape = list(a["query"].meta["val"].shape), list(a["key"].meta["val"].shape)
+    shape = q_shape[:-1] + [k_shape[-2]]
+    placement = node.meta.get("tp_placement")
+    if isinstance(placement, Shard) and placement.dim == len(shape) - 1:  # the value's features: probs are whole
+        placement = REPLICATE
+    probs = _masked(em, probs, sdpa_dropout(node), node.name, shape, placement)
     return em.call(aten.matmul.default, probs, v)
+
+
+def _repeat_heads(em: Any, q: Node, kv: Node) -> Node:
+    """kv's heads repeated to q's count on this rank (its heads or its kv piece): (B, hkv, S, E) -> (B, h, S, E)."""
+    n = em.call(operator.floordiv, em.call(aten.sym_size.int, q, -3), em.call(aten.sym_size.int, kv, -3))
+    return em.call(aten.repeat_interleave.self_int, kv, n, -3)
