@@ -19,10 +19,12 @@ import torch
 import torch.distributed as dist
 
 import tpcompile
+from tpcompile.cli.script import run_script
 from tpcompile.cli.common import parse_config
+from tpcompile.cli.generate import vocab_size
 from tpcompile.models.spec import load_model
 from tpcompile.generate.reference import example_prompts, reference_generate
-from tpcompile.runtime import init_from_env
+from tpcompile.runtime import init_from_env, shutdown
 
 
 def main() -> None:
@@ -40,7 +42,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rank, world = init_from_env(standalone=True)
     model, _, _ = load_model(opts.model, parse_config(opts.config))
-    vocab = model.config.vocab_size
+    vocab = vocab_size(model, opts.model)
     gen = tpcompile.shard_generation(model, world, max_seq_len=opts.prompt_len + opts.max_new_tokens,
                                      max_batch_size=opts.batch)
     ids, mask = example_prompts(vocab, opts.batch, opts.prompt_len)
@@ -65,10 +67,8 @@ def main() -> None:
             print("OK (same tokens as the unsharded model)" if same else "MISMATCH")
             print(f"first token {report['first_token_ms']:.1f} ms, then {decode_ms:.1f} ms per token; cache "
                   f"{gen.cache_bytes(rank)} of {gen.unsharded_cache_bytes} bytes on this rank")
-    dist.barrier()
-    if owned:
-        dist.destroy_process_group()
+    shutdown(destroy=owned)  # barrier, then the group destroyed with its threads before the interpreter exits
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_script(main))  # a user error: one line from rank 0, exit 2

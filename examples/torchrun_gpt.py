@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 import tpcompile
+from tpcompile.cli.script import run_script
 from tpcompile.models import build
-from tpcompile.runtime import init_from_env
+from tpcompile.runtime import init_from_env, shutdown
 
 
 def main() -> None:
@@ -32,10 +33,8 @@ def main() -> None:
         print(f"world size {world} on {dist.get_backend()}: rank 0 holds {params:,} of "
               f"{sum(p.numel() for p in model.parameters()):,} parameters; max |diff| {worst.item():.2e}")
         print("OK" if worst.item() <= 1e-5 else "MISMATCH")
-    dist.barrier()  # no rank tears the group down while another still uses it
-    if owned:
-        dist.destroy_process_group()
+    shutdown(destroy=owned)  # barrier: no rank tears the group down while another still uses it
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_script(main))  # a user error: one line from rank 0, exit 2

@@ -1,8 +1,15 @@
 """Shared fixtures: single-threaded torch, and small helpers to compare sharded runs."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# The command's progress lines (stderr in a pipe, cli/progress.py) come from steps that outlast a second,
+# which a loaded machine makes of any step: tests of one-line errors would see them. The tests of progress
+# itself turn it back on.
+os.environ.setdefault("TPCOMPILE_PROGRESS", "0")
 
 # Simulated ranks are threads sharing this machine's cores: one intra-op thread each keeps every
 # rank's arithmetic identical from run to run (a GEMM split over a varying number of threads can

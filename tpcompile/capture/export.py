@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -11,6 +13,7 @@ from torch import nn
 from torch.export import Dim
 from torch.utils import _pytree as pytree
 
+from tpcompile.capture.input_dtypes import check_input_dtypes, embedding_ids_checked
 from tpcompile.capture.input_dims import fixed_dims, install_guards, warn_fixed
 from tpcompile.capture.model_state import model_state_kept
 from tpcompile.capture.signature import explicit_signature
@@ -33,29 +36,50 @@ class Captured:
     autocast: tuple = ()  # the autocast state captured under (ops/guards.autocast_state)
 
 
-def infer_example_inputs(model: nn.Module) -> tuple[tuple, dict]:
-    """Example inputs from Hugging Face `dummy_inputs` or the first Linear / Embedding layer."""
+def infer_example_inputs(model: nn.Module, caller: str = "tpcompile.shard") -> tuple[tuple, dict]:
+    """Example inputs of a model given none: its own `example_inputs()`, Hugging Face `dummy_inputs`, else read
+    off its first Linear / Embedding layer; `caller` is the function the error message tells the user to call."""
+    from tpcompile.models.spec import example_inputs_of
+
+    args, kwargs = example_inputs_of(model, type(model).__name__)
+    if args or kwargs:
+        return args, kwargs
     dummy = getattr(model, "dummy_inputs", None)
     if isinstance(dummy, dict) and dummy:
         kwargs = dict(dummy)
         config = getattr(model, "config", None)
-        if config is not None and getattr(config, "use_cache", None) is not None and not getattr(config, "is_encoder_decoder", False):
+        # the cache object a decoder (or an encoder-decoder) returns with use_cache is no output torch.export takes
+        if config is not None and getattr(config, "use_cache", None) is not None:
             if "use_cache" in inspect.signature(model.forward).parameters:
                 kwargs["use_cache"] = False
         return (), kwargs
+    how = f"pass example_inputs=(tensor, ...) or example_kwargs={{...}} to {caller}, or give the model an " \
+          f"example_inputs() method"
     for name, mod in model.named_modules():
         if isinstance(mod, nn.Embedding):
             return (torch.randint(0, mod.num_embeddings, (2, 8)),), {}
         if isinstance(mod, nn.Linear):
             return (torch.randn(2, mod.in_features),), {}
-        if list(mod.parameters(recurse=False)):
-            where = name or "the model"
-            raise TPCompileError(
-                f"cannot infer example inputs for {type(model).__name__}: its first layer {where} is a "
-                f"{type(mod).__name__}, not a Linear or Embedding; pass example_inputs=(tensor, ...) "
-                f"or example_kwargs={{...}} to tpcompile.shard")
-    raise TPCompileError(f"cannot infer example inputs for {type(model).__name__}: it has no layers; "
-                         f"pass example_inputs=(tensor, ...) to tpcompile.shard")
+        own = [n for n, _ in mod.named_parameters(recurse=False)]
+        if own:
+            where = (f"its first layer {name} is a {type(mod).__name__}" if name else
+                     f"it holds the parameter{'s' * (len(own) > 1)} {', '.join(own[:3])} itself")
+            raise TPCompileError(f"cannot infer example inputs for {type(model).__name__}: {where}, before any "
+                                 f"Linear or Embedding; {how}")
+    raise TPCompileError(f"cannot infer example inputs for {type(model).__name__}: it has no layers; {how}")
+
+
+def user_frame(exc: BaseException) -> str:
+    """'at models.py:36 in forward: n = int(x.sum())': the innermost line of the model's own code in exc's
+    traceback (not torch's or tpcompile's), or '' when there is none."""
+    skip = [os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__))]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if os.path.isfile(f.filename) and not any(f.filename.startswith(d + os.sep) for d in skip)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    path = os.path.relpath(f.filename) if f.filename.startswith(os.getcwd() + os.sep) else f.filename
+    return f"at {path}:{f.lineno} in {f.name}" + (f": {f.line.strip()}" if f.line else "")
 
 
 def auto_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -98,7 +122,8 @@ def capture(model: nn.Module, example_inputs: tuple = (), example_kwargs: Option
                              f"pass example_inputs=(...) and example_kwargs={{...}} that forward accepts") from e
     log.info("capturing %s with torch.export", name)
     try:
-        with model_state_kept(model), explicit_signature(model, args, kwargs):
+        with model_state_kept(model), explicit_signature(model, args, kwargs), \
+                embedding_ids_checked(model, args, kwargs):
             if dynamic_shapes is None:
                 shapes = auto_dynamic_shapes(model, args, kwargs)  # by the explicit signature's names
             ep = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
@@ -106,12 +131,15 @@ def capture(model: nn.Module, example_inputs: tuple = (), example_kwargs: Option
         raise
     except Exception as e:  # torch.export raises many types; all mean the same to the user
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        where = user_frame(e)
         raise TPCompileError(
-            f"torch.export could not capture {name}: {type(e).__name__}: {first}\n"
+            f"torch.export could not capture {name}: {type(e).__name__}: {first}{f' ({where})' if where else ''}\n"
             f"  try: example inputs that take the model's usual path; dynamic_shapes=... to fix a "
             f"dimension that cannot vary (e.g. dynamic_shapes={{'x': None}}); torch.cond for "
             f"data-dependent Python control flow") from e
     gm = ep.module()
+    if not torch.is_autocast_enabled():  # under autocast the captured ops cast their inputs themselves
+        check_input_dtypes(gm, model, args, kwargs)  # before the fixed-dim warnings an integer input would cause
     fixed = fixed_dims(gm, args, kwargs)
     warn_fixed(fixed, args, kwargs, model)
     install_guards(gm, fixed, autocast_state())

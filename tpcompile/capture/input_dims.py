@@ -51,10 +51,14 @@ def warn_fixed(fixed: tuple[FixedDim, ...], args: tuple, kwargs: dict, model: nn
     weight_sizes = {int(s) for p in model.parameters() for s in p.shape}
     for f in fixed:
         if _surprising(f, leaves[f.index], weight_sizes):
+            # a size of 0 or 1 is export's choice; any other size is the code's, and another example only moves it
+            advice = ("If it should vary, shard with an example of size 2 or more in that dim (and different from "
+                      "the other dims' sizes)" if f.size in (0, 1) else
+                      "Another example size would be fixed the same way: shard with the size you will run (one "
+                      "capture per size), or change the code that needs it")
             warnings.warn(
                 f"{type(model).__name__}: input {f.input!r} dim {f.dim} is fixed at {f.size} ({f.cause}); the "
-                f"sharded ranks accept only that size there. If it should vary, shard with an example of size 2 or "
-                f"more in that dim (and different from the other dims' sizes)", TPCompileWarning, stacklevel=4)
+                f"sharded ranks accept only that size there. {advice}", TPCompileWarning, stacklevel=4)
 
 
 def _surprising(f: FixedDim, example: torch.Tensor, weight_sizes: set[int]) -> bool:

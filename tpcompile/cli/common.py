@@ -37,6 +37,17 @@ def world_size(text: str) -> int:
     return value
 
 
+def tolerance(text: str) -> float:
+    """argparse type for --atol / --rtol: a finite number of at least 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (0.0 <= value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number of at least 0, got {text}")
+    return value
+
+
 def config_value(text: str) -> Any:
     """A --config value: int, float, true/false, none, a comma list (a tuple), else the string."""
     low = text.strip().lower()
@@ -151,7 +162,7 @@ def shard(ns: argparse.Namespace, loaded: Loaded, *, show_warnings: bool = True)
                                      sequence_parallel=ns.sequence_parallel)
             except TPCompileError as exc:
                 raise explain_capture_failure(exc, loaded.model, loaded.name, loaded.args, loaded.kwargs,
-                                              loaded.inputs) from exc
+                                              loaded.inputs, spec=loaded.spec, from_flags=bool(ns.inputs)) from exc
     shown: set[str] = set()
     for w in caught:
         if not issubclass(w.category, tpcompile.TPCompileWarning):  # not ours: pass it on unchanged

@@ -10,12 +10,14 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 import tpcompile
 from tpcompile.cli.common import add_model_args, load, load_plan, parse_config, shard, world_size
 from tpcompile.cli.compare import check_outputs
 from tpcompile.models.spec import load_model
 from tpcompile.cli.verify import verdict
+from tpcompile.errors import TPCompileError
 from tpcompile.report.units import format_bytes
 
 
@@ -28,7 +30,9 @@ def add_parser(sub: argparse._SubParsersAction, parent: argparse.ArgumentParser)
                                    "unsharded model (within the tolerance verify uses).")
     add_model_args(p, default_model="gpt")
     p.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)  # older spelling
-    p.add_argument("--backend", default="gloo", help="torch.distributed backend of the rank processes (gloo)")
+    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
+                   help="torch.distributed backend of the rank processes: gloo (CPU, the default) or nccl (one CUDA "
+                        "device per rank)")
     p.add_argument("--repeats", type=world_size, default=10, help="timed runs per measurement (default 10)")
     p.set_defaults(func=run)
 
@@ -76,12 +80,31 @@ def _demo_rank(rank: int, spec: str, config: dict, state: dict, args: tuple, kwa
     return {"rank": rank, "output": output, "ms": ms, "collectives": collectives}
 
 
+def results_header(threads: int, repeats: int) -> str:
+    """'per-rank results (1 thread per process, median of 10 runs):'."""
+    return (f"per-rank results ({threads} thread{'s' * (threads != 1)} per process, median of {repeats} "
+            f"run{'s' * (repeats != 1)}):")
+
+
+def check_backend(backend: str, world_size: int) -> None:
+    """A backend this machine can run `world_size` ranks on, or a TPCompileError saying what to use."""
+    if not dist.is_backend_available(backend):
+        raise TPCompileError(f"--backend {backend}: this torch build has no {backend} backend; use --backend gloo")
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "nccl" and found < world_size:
+        raise TPCompileError(f"--backend nccl needs {world_size} CUDA devices (one per rank) but this machine has "
+                             f"{found}; use --backend gloo, or a --world-size of at most {found}" if found else
+                             f"--backend nccl needs {world_size} CUDA devices (one per rank) but this machine has none "
+                             f"(torch.cuda.is_available() is False); use --backend gloo")
+
+
 def run(ns: argparse.Namespace) -> int:
     """Shard, launch the ranks, compare; 0 when every rank matches the unsharded model."""
     from tpcompile.runtime import launch
 
     ns.model = ns.model_flag or ns.model
     ws = ns.world_size
+    check_backend(ns.backend, ws)  # before any work: a rank would fail only after the capture
     loaded = load(ns)  # refuses a model without inputs before anything runs
     print(f"capturing and sharding {loaded.name} across {ws} ranks...", flush=True)
     sm = shard(ns, loaded)
@@ -100,7 +123,7 @@ def run(ns: argparse.Namespace) -> int:
     results = launch(ws, _demo_rank, ns.model, parse_config(ns.config), model.state_dict(), args, kwargs, ws,
                      ns.repeats, load_plan(ns), ns.sequence_parallel, backend=ns.backend)
     checks = check_outputs(expected, [res["output"] for res in results], sm)
-    print(f"\nper-rank results ({_threads_per_rank(ws)} threads per process, median of {ns.repeats} runs):")
+    print(f"\n{results_header(_threads_per_rank(ws), ns.repeats)}")
     print(f"  unsharded forward: {base_ms:.3f} ms")
     for res in results:
         r = res["rank"]

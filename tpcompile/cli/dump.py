@@ -66,9 +66,12 @@ def run(ns: argparse.Namespace) -> int:
     with step(f"running the original and {ns.world_size} simulated ranks once to record shapes"):
         traced = trace(sm, loaded.args, loaded.kwargs)
     name = type(loaded.model).__name__
-    written = _write(out / "original", sm.captured, traced.captured_shapes, f"{name} captured (unsharded)")
+    with step(f"writing the captured graph's files to {out / 'original'}"):
+        written = _write(out / "original", sm.captured, traced.captured_shapes, f"{name} captured (unsharded)")
     for r in ranks:
-        written += _write(out / f"rank{r}", sm.rank(r), traced.rank_shapes[r], f"{name} rank {r} of {ns.world_size}")
+        with step(f"writing rank {r}'s files to {out / f'rank{r}'}"):
+            written += _write(out / f"rank{r}", sm.rank(r), traced.rank_shapes[r],
+                              f"{name} rank {r} of {ns.world_size}")
     for path in written:
         print(path)
     return 0

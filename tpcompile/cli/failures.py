@@ -7,6 +7,8 @@ from typing import Any, Optional
 
 import torch
 
+from tpcompile.capture.export import user_frame
+from tpcompile.capture.input_dtypes import InputDtypeError
 from tpcompile.errors import TPCompileError
 
 CAPTURE_FAILED = "torch.export could not capture"
@@ -24,13 +26,22 @@ def _sizes(m: re.Match) -> str:
 
 
 def concrete_sizes(text: str, inputs: str) -> str:
-    """`text` without torch.export's size symbols: lists show '?', a lone symbol reads 'a dynamic size', and the
-    sizes of the inputs it was given follow."""
+    """`text` without torch.export's symbols: lists show '?', a lone s<N> reads 'a dynamic size' and a lone u<N>
+    (a value read from a tensor's contents) 'a data-dependent value'; what they stand for follows."""
     if not _SYMBOL.search(text):
         return text
+    sized = bool(re.search(r"\bs\d+\b", text))
+    valued = bool(re.search(r"\bu\d+\b", text))
     text = _SIZE_LIST.sub(_sizes, text)
+    text = re.sub(r"\bu\d+\b", "a data-dependent value", text)
     text = _SYMBOL.sub("a dynamic size", text)
-    return f"{text} (? and 'a dynamic size' stand for sizes of the inputs, which were {inputs})"
+    notes = []
+    if sized:
+        notes.append(f"? and 'a dynamic size' stand for sizes of the inputs, which were {inputs}")
+    if valued:
+        notes.append("'a data-dependent value' is one the model reads from a tensor's contents (.item(), int(), "
+                     "a comparison used in an if), which the capture cannot know")
+    return f"{text} ({'; '.join(notes)})"
 
 
 def command_line_hint(text: str) -> str:
@@ -50,10 +61,43 @@ def eager_failure(model: torch.nn.Module, args: tuple, kwargs: dict) -> Optional
     return None
 
 
+# failures of the code itself, whatever the inputs: the way out is in the code, not in --inputs
+_CODE_ERRORS = (NameError, AttributeError, ImportError, SyntaxError, NotImplementedError, AssertionError)
+
+
+def _way_out(own: BaseException, spec: str, from_flags: bool) -> str:
+    """What to change when the unsharded model fails too: the code, the config, or the --inputs."""
+    if isinstance(own, _CODE_ERRORS):
+        return "the error is in the model's code, whatever its inputs: fix it there"
+    given = "the --inputs given" if from_flags else "its own example inputs"
+    if spec.startswith("hf:"):
+        return (f"the model fails on {given}: check the --config sizes (hf: models are built with 2 layers, width "
+                f"64 and 4 heads, a head dim of 16, and a size the config keeps at its default may not fit them)"
+                + (", or the --inputs" if from_flags else ""))
+    if from_flags:
+        return "pass --inputs SHAPE[:DTYPE[:HIGH]] it accepts, one per positional argument of forward"
+    return (f"the model fails on {given} (example_inputs()): fix them or the model, or pass --config arguments "
+            f"for its class or --inputs SHAPE[:DTYPE[:HIGH]] it accepts")
+
+
+def _cli_dtype_advice(exc: InputDtypeError) -> str:
+    """The --inputs spec an InputDtypeError asks for, when it names a positional input."""
+    if exc.position is None or not exc.shape:
+        return ""
+    dims = "x".join(map(str, exc.shape))
+    suffix = {torch.float32: "", torch.float64: ":double", torch.float16: ":half", torch.bfloat16: ":bf16"}
+    tail = suffix.get(exc.wanted, ":long" if not exc.wanted.is_floating_point else "")
+    return f"{exc.what}; write --inputs {dims}{tail} for input {exc.position + 1}"
+
+
 def explain_capture_failure(exc: TPCompileError, model: torch.nn.Module, name: str, args: tuple, kwargs: dict,
-                            inputs: str) -> TPCompileError:
+                            inputs: str, *, spec: str = "", from_flags: bool = True) -> TPCompileError:
     """A capture failure as the user can act on it: their model's own error on these inputs when it fails
-    unsharded too, else torch.export's message with concrete sizes and command-line hints."""
+    unsharded too (with the line of their code), else torch.export's message with concrete sizes and
+    command-line hints. `from_flags`: the inputs came from --inputs, not from the model."""
+    if isinstance(exc, InputDtypeError):
+        advice = _cli_dtype_advice(exc)
+        return TPCompileError(advice) if advice else exc
     text = str(exc)
     if not text.startswith(CAPTURE_FAILED):  # a pass's error may still name torch's size symbols
         plain = concrete_sizes(text, inputs)
@@ -61,9 +105,9 @@ def explain_capture_failure(exc: TPCompileError, model: torch.nn.Module, name: s
     own = eager_failure(model, args, kwargs)
     if own is not None:
         first = (str(own).strip().splitlines() or [""])[0]
+        where = user_frame(own)
         return TPCompileError(f"{name} fails on its inputs ({inputs}) even unsharded: {type(own).__name__}: "
-                              f"{first}; pass inputs it accepts with --inputs SHAPE[:DTYPE[:HIGH]], one per "
-                              "positional argument of forward")
+                              f"{first}{f' ({where})' if where else ''}; {_way_out(own, spec, from_flags)}")
     return TPCompileError(command_line_hint(concrete_sizes(text, inputs)))
 
 

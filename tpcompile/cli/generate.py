@@ -2,16 +2,19 @@
 from __future__ import annotations
 
 import argparse
+import re
 import time
 import warnings
 
 import torch
 
 import tpcompile
-from tpcompile.cli.common import parse_config, world_size
+from tpcompile.cli.common import one_line, parse_config, world_size
+from tpcompile.cli.progress import note, step
 from tpcompile.models.spec import ACCEPTED_FORMS, load_model
 from tpcompile.errors import TPCompileError
 from tpcompile.report.units import format_bytes
+from tpcompile.report.wording import short_warning
 
 
 def add_parser(sub: argparse._SubParsersAction, parent: argparse.ArgumentParser) -> None:
@@ -40,21 +43,28 @@ def run(ns: argparse.Namespace) -> int:
     """Shard, generate on every simulated rank, compare; 0 when every rank's tokens equal the unsharded model's."""
     from tpcompile.generate.reference import example_prompts, reference_generate
 
-    model, _, _ = load_model(ns.model, parse_config(ns.config))
-    vocab = _vocab_size(model, ns.model)
+    with step(f"loading {ns.model}"):
+        model, _, _ = load_model(ns.model, parse_config(ns.config))
+    vocab = vocab_size(model, ns.model)
     ws, length, new = ns.world_size, ns.prompt_len, ns.max_new_tokens
     print(f"sharding {type(model).__name__} for generation across {ws} ranks (cache: {ns.batch} x "
           f"{length + new} tokens)...", flush=True)
     start = time.perf_counter()
-    with warnings.catch_warnings():
-        if not ns.debug:
-            warnings.simplefilter("ignore", tpcompile.TPCompileWarning)
-        gen = tpcompile.shard_generation(model, ws, max_seq_len=length + new, max_batch_size=ns.batch)
-        gen.rank(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", tpcompile.TPCompileWarning)
+        try:
+            with step(f"capturing {type(model).__name__} with its cache and sharding it across {ws} ranks"):
+                gen = tpcompile.shard_generation(model, ws, max_seq_len=length + new, max_batch_size=ns.batch)
+                gen.rank(0)
+        except TPCompileError as exc:
+            raise TPCompileError(in_flags(str(exc))) from exc
+    show_warnings(caught, debug=ns.debug)
     print(f"captured and sharded in {time.perf_counter() - start:.1f} s", flush=True)
     ids, mask = example_prompts(vocab, ns.batch, length, seed=ns.seed)
-    outs = tpcompile.simulate_ranks(ws, lambda r: gen.rank(r).generate(ids, attention_mask=mask, max_new_tokens=new))
-    want = reference_generate(model, ids, mask, new)
+    with step(f"generating on {ws} simulated ranks and with the unsharded model"):
+        outs = tpcompile.simulate_ranks(ws, lambda r: gen.rank(r).generate(ids, attention_mask=mask,
+                                                                            max_new_tokens=new))
+        want = reference_generate(model, ids, mask, new)
     stats = gen.rank(0).stats
     for row in range(ns.batch):
         keep = mask[row].bool()
@@ -64,8 +74,9 @@ def run(ns: argparse.Namespace) -> int:
     decode = sum(stats.decode_s) / len(stats.decode_s) if stats.decode_s else 0.0
     print(f"rank 0 (simulated ranks are threads of this process): time to first token {stats.prefill_s * 1e3:.1f} ms, "
           f"{decode * 1e3:.1f} ms per token after it, {stats.tokens_per_s:.1f} tokens/s per row")
+    whole = ws > 1 and gen.cache_bytes(0) >= gen.unsharded_cache_bytes
     print(f"cache per rank {format_bytes(gen.cache_bytes(0))} of {format_bytes(gen.unsharded_cache_bytes)} "
-          f"unsharded")
+          f"unsharded" + (" (not split: every rank holds all of it, see the warnings)" if whole else ""))
     same = [torch.equal(out, want) for out in outs]
     if all(same):
         print(f"OK: all {ws} ranks generated the unsharded model's tokens")
@@ -75,7 +86,26 @@ def run(ns: argparse.Namespace) -> int:
     return 1
 
 
-def _vocab_size(model: torch.nn.Module, spec: str) -> int:
+def show_warnings(caught: list, *, debug: bool) -> None:
+    """Each TPCompileWarning once, as one 'warning:' line on stderr (in full with --debug); others passed on."""
+    shown: set[str] = set()
+    for w in caught:
+        if not issubclass(w.category, tpcompile.TPCompileWarning):
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+        elif str(w.message) not in shown:
+            shown.add(str(w.message))
+            note(f"warning: {one_line(str(w.message)) if debug else short_warning(str(w.message))}")
+
+
+def in_flags(text: str) -> str:
+    """shard_generation's message in this command's terms: its flags instead of the Python arguments."""
+    text = re.sub(r"\bpass max_seq_len <= (\d+)", r"make --prompt-len + --max-new-tokens at most \1", text)
+    text = re.sub(r"\bmax_seq_len=(\d+)", r"--prompt-len + --max-new-tokens = \1", text)
+    text = re.sub(r"call shard_generation\(\.\.\., max_batch_size=(\d+)\)", r"pass --batch \1", text)
+    return re.sub(r"\bmax_batch_size=(\d+)", r"--batch \1", text)
+
+
+def vocab_size(model: torch.nn.Module, spec: str) -> int:
     """The vocabulary the prompts draw from: the config's vocab_size, else the token embedding's rows."""
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)

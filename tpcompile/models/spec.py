@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import inspect
 import importlib.util
 import os
 import sys
@@ -17,52 +18,26 @@ from torch import nn
 
 from tpcompile.errors import TPCompileError
 from tpcompile.models import MODEL_NAMES, build
+from tpcompile.models.hf import load_hf
 
 ACCEPTED_FORMS = (
     "file.py:NAME, pkg.mod:NAME (NAME an nn.Module instance, or an nn.Module subclass or factory, called with "
     f"the --config arguments), a bundled model ({', '.join(MODEL_NAMES)}) or hf:<model_type> (e.g. hf:gpt2, hf:llama)"
 )
 
-# Small sizes for Hugging Face configs, under the generic names every config understands.
-HF_SIZES: dict[str, int] = {
-    "num_hidden_layers": 2,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "intermediate_size": 128,
-    "vocab_size": 128,
-    "max_position_embeddings": 64,
-}
-
-# Model-specific names for the same sizes; only the ones a config already has are passed.
-HF_ALIASES: dict[str, int] = {
-    "n_inner": 128,
-    "ffn_dim": 128,
-    "d_ff": 128,
-    "encoder_ffn_dim": 128,
-    "decoder_ffn_dim": 128,
-    "num_key_value_heads": 4,
-    "decoder_attention_heads": 4,
-    "encoder_attention_heads": 4,
-    "decoder_layers": 2,
-    "num_decoder_layers": 2,
-    "head_dim": 16,
-    "d_kv": 16,
-}
-
-HF_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
-HF_BATCH, HF_SEQ = 2, 8
-
-
 def load_model(spec: str, config: dict[str, Any] | None = None) -> tuple[nn.Module, tuple, dict]:
     """Resolve `spec` to (module, example args, example kwargs); `config` overrides sizes and switches."""
     spec = spec.strip()
     config = dict(config or {})
     if spec.startswith("hf:"):
-        return _load_hf(spec, spec[3:], config)
+        return load_hf(spec, spec[3:], config)
     if spec in MODEL_NAMES:
         model = _rebuilt(spec, build(spec), config) if config else build(spec)
         return (model, *example_inputs_of(model, spec))
     if ":" not in spec:
+        if spec.endswith(".py") and Path(spec).is_file():  # the file without its model: say what it holds
+            raise TPCompileError(f"cannot resolve model {spec!r}: name the model in the file as {spec}:NAME; "
+                                 f"{_candidates(_import_file(spec, Path(spec)), '')}")
         raise TPCompileError(f"cannot resolve model {spec!r}; accepted forms: {ACCEPTED_FORMS}")
     source, name = spec.rsplit(":", 1)
     if not source or not name:
@@ -199,89 +174,31 @@ def _instantiate(spec: str, obj: Any, config: dict[str, Any] | None = None) -> n
                                  "module instance; name its class or a factory instead")
         return obj
     if not callable(obj):
-        raise TPCompileError(f"cannot resolve model {spec!r}: it names a {type(obj).__name__}, "
-                             "not an nn.Module instance, subclass or factory")
+        kind = type(obj).__name__
+        raise TPCompileError(f"cannot resolve model {spec!r}: it names {'an' if kind[0] in 'aeiou' else 'a'} "
+                             f"{kind}, not an nn.Module instance, subclass or factory")
     kind = "class" if isinstance(obj, type) else "factory"
     try:
         model = obj(**config)
     except Exception as exc:
         given = f"with {_pairs(config)}" if config else "with no arguments"
         raise TPCompileError(f"cannot resolve model {spec!r}: calling {kind} {getattr(obj, '__name__', obj)} "
-                             f"{given} failed: {type(exc).__name__}: {exc}") from exc
+                             f"{given} failed: {type(exc).__name__}: {exc}{_missing_hint(obj, config)}") from exc
     if not isinstance(model, nn.Module):
         raise TPCompileError(f"cannot resolve model {spec!r}: the {kind} returned a "
                              f"{type(model).__name__}, not an nn.Module")
     return model
 
 
-def _hf_config(spec: str, model_type: str, overrides: dict[str, Any]) -> Any:
-    """A small config for `model_type`, with every size alias the config knows set small, then the overrides."""
-    from transformers import AutoConfig
-
+def _missing_hint(obj: Any, config: dict[str, Any]) -> str:
+    """'; pass them with --config width=VALUE' for the required arguments of `obj` that --config left out."""
     try:
-        default = AutoConfig.for_model(model_type)
-    except Exception as exc:
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-        # transformers' own message lists every model type there is: name the nearest few instead
-        close = difflib.get_close_matches(model_type, sorted(CONFIG_MAPPING_NAMES), n=4)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise TPCompileError(f"cannot resolve model {spec!r}: transformers has no model type "
-                             f"{model_type!r}{hint}") from exc
-    kwargs: dict[str, Any] = dict(HF_SIZES)
-    kwargs.update({k: v for k, v in HF_ALIASES.items() if k in default.to_dict()})
-    unknown = [k for k in overrides if not hasattr(default, k)]
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], sorted(default.to_dict()), n=3)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise TPCompileError(f"{spec}: the {model_type} config has no key {unknown[0]!r} (from --config){hint}")
-    kwargs.update(overrides)
-    for key in HF_TOKEN_IDS:
-        token = overrides.get(key, getattr(default, key, None))
-        if key not in overrides and isinstance(token, int) and token >= kwargs["vocab_size"]:
-            kwargs[key] = kwargs["vocab_size"] - 1
-    try:
-        return AutoConfig.for_model(model_type, **kwargs)
-    except Exception as exc:
-        raise TPCompileError(f"cannot resolve model {spec!r}: building a small {model_type} config failed: "
-                             f"{type(exc).__name__}: {exc}") from exc
-
-
-def _is_encoder(config: Any) -> bool:
-    """Encoder-only families (bert, roberta, ...) are masked-LM models without a decoder."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
-
-    return config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not config.is_encoder_decoder
-
-
-def _load_hf(spec: str, model_type: str, overrides: dict[str, Any]) -> tuple[nn.Module, tuple, dict]:
-    """Build a small, randomly initialised transformers model offline from its config class."""
-    if not model_type:
-        raise TPCompileError(f"cannot resolve model {spec!r}: hf: needs a model type, e.g. hf:gpt2")
-    try:
-        import transformers
-    except ImportError as exc:
-        raise TPCompileError(f"cannot resolve model {spec!r}: the transformers package is not installed "
-                             "(pip install transformers)") from exc
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    config = _hf_config(spec, model_type, overrides)
-    encoder = _is_encoder(config)
-    causal = not encoder and config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            model = auto.from_config(config)
-    except Exception as exc:
-        raise TPCompileError(f"cannot resolve model {spec!r}: building {auto.__name__} for {model_type} "
-                             f"failed: {type(exc).__name__}: {exc}") from exc
-    model.eval()
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, config.vocab_size, (HF_BATCH, HF_SEQ), generator=gen, dtype=torch.long)
-    kwargs: dict[str, Any] = {"input_ids": ids}
-    if not encoder:
-        kwargs["use_cache"] = False
-    if config.is_encoder_decoder and not causal:
-        kwargs["decoder_input_ids"] = ids.clone()
-    return model, (), kwargs
+        params = inspect.signature(obj).parameters.values()
+    except (TypeError, ValueError):
+        return ""
+    missing = [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in config
+               and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    if not missing:
+        return ""
+    flags = " ".join(f"--config {name}=VALUE" for name in missing)
+    return f"; pass {'it' if len(missing) == 1 else 'them'} with {flags}"

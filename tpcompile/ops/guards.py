@@ -95,6 +95,9 @@ def check_token_ids(ids: torch.Tensor, vocab: int, where: str) -> torch.Tensor:
     """`ids` itself, after checking every id lies in [0, vocab) as the unsharded lookup requires."""
     if ids.numel() == 0 or ids.device.type == "meta" or isinstance(ids, torch._subclasses.FakeTensor):
         return ids
+    if ids.is_floating_point():  # the unsharded lookup refuses floats; their values would read as ids here
+        raise TPCompileError(f"token ids at {where} are {str(ids.dtype).removeprefix('torch.')}; the model takes "
+                             f"integer ids 0..{vocab - 1}: pass a torch.long tensor")
     if ids.device.type != "cpu" or torch.compiler.is_compiling():  # no host sync, no data-dependent branch
         torch._assert_async(((ids >= 0) & (ids < vocab)).all(), f"token id outside the vocabulary of {vocab} at {where}")
         return ids
@@ -102,5 +105,5 @@ def check_token_ids(ids: torch.Tensor, vocab: int, where: str) -> torch.Tensor:
     if low < 0 or high >= vocab:
         bad = low if low < 0 else high
         raise TPCompileError(f"token id {bad} at {where} is outside the vocabulary of {vocab} ids (0 to {vocab - 1}); "
-                             f"the unsharded model raises on it too: pass ids below {vocab}")
+                             f"the unsharded model raises on it too: pass ids 0..{vocab - 1}")
     return ids

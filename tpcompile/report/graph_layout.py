@@ -1,4 +1,5 @@
-"""A layered top-to-bottom layout of a graph: layers by longest path, x by the inputs' positions."""
+"""A layered top-to-bottom layout of a graph: layers by longest path, x by the inputs' positions, on a grid of
+columns so that the lanes between them stay free for long edges."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -69,7 +70,7 @@ def layout(infos: Sequence[NodeInfo], *, box_w: float, box_h: float, gap_x: floa
             known = [x[n] for n in i.inputs if n in x and kind.get(n) not in _ASIDE]
             known = known or [x[n] for n in i.inputs if n in x]
             wanted.append(sum(known) / len(known) if known else k * step)
-        x.update(_spread([i.name for i in row], wanted, step, [i.kind not in _FLOATING for i in row]))
+        x.update(_on_grid(_spread([i.name for i in row], wanted, step, [i.kind not in _FLOATING for i in row]), step))
     left = min(x.values(), default=0.0) - box_w / 2 - gap_x
     return [Placed(i, x[i.name] - left, top + gap_y + layer[i.name] * (box_h + gap_y), box_w, box_h) for i in infos]
 
@@ -84,3 +85,14 @@ def _spread(names: list[str], wanted: list[float], step: float, anchors: list[bo
     pulls = pulls or [wanted[k] - p for k, p in zip(order, pos)]
     shift = sum(pulls) / len(pulls)
     return {names[k]: p + shift for k, p in zip(order, pos)}
+
+
+def _on_grid(pos: dict[str, float], step: float) -> dict[str, float]:
+    """Positions moved onto multiples of `step`, in their order and `step` apart: boxes then stand in columns,
+    so the lanes between the columns hold no box and an edge can run down them."""
+    out: dict[str, float] = {}
+    last = float("-inf")
+    for name, x in sorted(pos.items(), key=lambda kv: kv[1]):
+        last = max(round(x / step) * step, last + step)
+        out[name] = last
+    return out

@@ -26,6 +26,7 @@ class NodeInfo:
     shape: str  # from a traced forward, '' where unknown
     module: str  # innermost nn.Module path the node was traced in
     inputs: tuple[str, ...]
+    weight: bool = False  # a get_attr of an nn.Parameter (not a buffer)
 
 
 def target_name(node: Node) -> str:
@@ -85,13 +86,15 @@ def node_infos(gm: GraphModule, shapes: Optional[dict[str, str]] = None) -> list
     """One NodeInfo per node of gm, in graph order; shapes from a Trace where given."""
     shapes = shapes or {}
     sizes: set[str] = set()
+    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
     out = []
     for n in gm.graph.nodes:
         kind = "size" if _is_size(n, sizes) else _kind(n)
         if kind == "size":
             sizes.add(n.name)
         out.append(NodeInfo(n.name, n.op, target_name(n), placement_text(n), kind, shapes.get(n.name, ""),
-                            _module(n), tuple(i.name for i in n.all_input_nodes)))
+                            _module(n), tuple(i.name for i in n.all_input_nodes),
+                            n.op == "get_attr" and str(n.target) in params))
     return out
 
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Union
 import yaml
 
 from tpcompile.errors import TPCompileError
-from tpcompile.strategy.quantities import (parse_bytes, parse_flops, parse_fraction, parse_rate,
+from tpcompile.strategy.quantities import (parse_bytes, parse_fraction, parse_memory, parse_peak, parse_rate,
                                            parse_seconds)
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -134,8 +134,8 @@ def _text(field: str, value: Any) -> str:
 
 
 PARSERS: dict[str, Callable[[str, Any], Any]] = {
-    "gpus": _int, "gpus_per_node": _int, "gpu_memory": parse_bytes, "intra_bw": parse_rate,
-    "inter_bw": parse_rate, "flops": parse_flops, "efficiency": parse_fraction, "memory_bw": parse_rate,
+    "gpus": _int, "gpus_per_node": _int, "gpu_memory": parse_memory, "intra_bw": parse_rate,
+    "inter_bw": parse_rate, "flops": parse_peak, "efficiency": parse_fraction, "memory_bw": parse_rate,
     "intra_latency": parse_seconds, "inter_latency": parse_seconds, "op_overhead": parse_seconds,
     "microbatch_overhead": parse_seconds, "fsdp_overhead": parse_seconds, "step_overhead": parse_seconds,
     "overlap": parse_fraction, "shared_cores": _int, "optimizer_bytes": parse_bytes,

@@ -66,6 +66,7 @@ class Estimate:
     memory_parts: dict[str, float] = field(default_factory=dict)  # of the fullest GPU
     stages: tuple[tuple[int, int], ...] = ()
     graph: Optional[nx.DiGraph] = None
+    idle_tp: bool = False  # tp > 1 with every unit kept whole (search.splits_nothing): ranked after the rest
 
 
 @dataclass

@@ -110,7 +110,7 @@ def planning_inputs(model: nn.Module, args: tuple, kwargs: dict, seq_len: Option
     full attention mask), float inputs zeros: only shapes matter to the planner.
     """
     if not args and not kwargs:
-        args, kwargs = infer_example_inputs(model)
+        args, kwargs = infer_example_inputs(model, "tpcompile.plan_parallel")
     param = next(iter(model.parameters()), None)
     device = param.device if param is not None else torch.device("cpu")
     seen_seq: list[int] = []

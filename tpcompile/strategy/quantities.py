@@ -64,6 +64,24 @@ def parse_flops(field: str, value: Quantity) -> float:
     return m if isinstance(m, float) else float(m["num"]) * _PREFIX[m["pre"]]
 
 
+def _plausible(field: str, value: Quantity, amount: float, least: float, unit: str, example: str) -> float:
+    """`amount`, or a TPCompileError when it is below `least`: a number written without its unit ('80')."""
+    if amount < least:
+        raise TPCompileError(f"{field}: {value!r} reads as {amount:g} {unit}, far too little for a GPU; write the "
+                             f"unit, like {example!r}")
+    return amount
+
+
+def parse_memory(field: str, value: Quantity) -> float:
+    """A GPU's memory: parse_bytes, refusing under a megabyte ('80' is 80 bytes; '80GB' was meant)."""
+    return _plausible(field, value, parse_bytes(field, value), 1e6, "bytes", "80GB")
+
+
+def parse_peak(field: str, value: Quantity) -> float:
+    """A GPU's peak: parse_flops, refusing under a megaFLOPS ('989' is 989 FLOPS; '989TFLOPS' was meant)."""
+    return _plausible(field, value, parse_flops(field, value), 1e6, "FLOPS", "989TFLOPS")
+
+
 def parse_seconds(field: str, value: Quantity) -> float:
     """'5us' -> 5e-6, '2ms' -> 2e-3, 0.1 -> 0.1."""
     m = _number(field, value, _TIME, "5us")

@@ -89,10 +89,16 @@ class Strategy:
         return self.global_batch * self.seq_len / self.predicted_step_s
 
     @property
+    def mixed_precision(self) -> Optional[str]:
+        """The runtime's policy the prices assume: the cluster's compute dtype, float32 weights, state and gradients."""
+        return None if self.cluster.dtype == "fp32" else self.cluster.dtype
+
+    @property
     def train_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `tpcompile.parallelize_train` for this layout (those the installed runtime takes)."""
         kwargs: dict[str, Any] = {"microbatches": self.microbatches, "data_parallel": self.data_parallel,
-                                  "sequence_parallel": self.sequence_parallel}
+                                  "sequence_parallel": self.sequence_parallel,
+                                  "mixed_precision": self.mixed_precision}
         if self.plan:
             kwargs["plan"] = self.plan
         accepted = _runtime_parameters()
@@ -112,7 +118,8 @@ class Strategy:
             "tp": self.tp, "dp": self.dp, "pp": self.pp, "microbatches": self.microbatches,
             "predicted_step_s": self.predicted_step_s, "memory_per_gpu_bytes": self.memory_per_gpu_bytes,
             "sequence_parallel": self.sequence_parallel, "recompute": self.recompute,
-            "data_parallel": self.data_parallel, "micro_batch_size": self.micro_batch_size,
+            "data_parallel": self.data_parallel, "mixed_precision": self.mixed_precision,
+            "micro_batch_size": self.micro_batch_size,
             "global_batch": self.global_batch, "seq_len": self.seq_len,
             "tokens_per_s": self.tokens_per_s, "tokens_per_s_per_gpu": self.tokens_per_s / self.cluster.gpus,
             "comm_per_step_bytes": self.comm_per_step, "time_breakdown_s": self.time_breakdown,
@@ -146,6 +153,9 @@ def why_lost(alt: Estimate, best: Estimate, usable: float) -> str:
     """One phrase: why `alt` is not the choice."""
     if not alt.fits:
         return f"does not fit: needs {alt.memory / 1e9:.1f} GB per GPU of {usable / 1e9:.1f} GB usable"
+    if alt.idle_tp and not best.idle_tp:
+        return (f"its tensor parallelism splits nothing: each of the {alt.layout.tp} tp ranks would repeat the "
+                f"others' work")
     from tpcompile.strategy.quantities import format_seconds
     diffs = {k: alt.time.get(k, 0.0) - best.time.get(k, 0.0) for k in PART_WORDS}
     part = max(diffs, key=lambda k: diffs[k])

@@ -22,11 +22,18 @@ from tpcompile.strategy.tp_profile import TPProfile
 SHOWN = 6  # meshes kept exact: the chosen one and the alternatives the table shows
 
 
-def simplicity(est: Estimate) -> tuple[float, int]:
-    """Sort key: the step time to 6 significant digits, then the fewer features (equal times prefer the simpler layout)."""
+def simplicity(est: Estimate) -> tuple[bool, float, int]:
+    """Sort key: a layout whose tensor parallelism splits something first (est.idle_tp: every tp rank would
+    repeat the others' work, which the same GPUs in data parallelism do once), then the step time to 6
+    significant digits, then the fewer features (equal times prefer the simpler layout)."""
     lay = est.layout
     extras = (lay.tp > 1) + (lay.pp > 1) + lay.sequence_parallel + lay.recompute + (lay.data_parallel == "fsdp")
-    return float(f"{est.step_s:.6g}"), extras + len(lay.replicate)
+    return est.idle_tp, float(f"{est.step_s:.6g}"), extras + len(lay.replicate)
+
+
+def splits_nothing(tpp: Optional[TPProfile], lay: Layout) -> bool:
+    """True for tensor parallelism (tp > 1) that keeps every unit whole: each tp rank computes all of it."""
+    return lay.tp > 1 and tpp is not None and set(lay.replicate) >= {u.name for u in tpp.units}
 
 
 def divisors(n: int) -> list[int]:
@@ -127,12 +134,16 @@ def search(profile: ModelProfile, tpps: dict[int, TPProfile], cluster: Cluster, 
     priced = 0
     for bound, lay in order:
         mesh = lay.mesh
-        ranked = sorted(e.step_s for e in best_fit.values())
+        # a layout that splits nothing ranks last whatever its time, so it prunes nothing
+        ranked = sorted(e.step_s for e in best_fit.values() if not e.idle_tp)
         kth = ranked[SHOWN - 1] if len(ranked) >= SHOWN else float("inf")
-        own = best_fit[mesh].step_s if mesh in best_fit else float("inf")
+        own = best_fit[mesh].step_s if mesh in best_fit and not best_fit[mesh].idle_tp else float("inf")
         if bound >= min(own, kth):
             continue
         est, why = _price(profile, tpps.get(lay.tp), cluster, lay, global_batch, training, memo)
+        if splits_nothing(tpps.get(lay.tp), est.layout) and est.layout.replicate:
+            est, why = _split_all(profile, tpps[lay.tp], cluster, lay, global_batch, training, memo, why)
+        est.idle_tp = splits_nothing(tpps.get(lay.tp), est.layout)  # no unit at this degree: ranked last
         priced += 1
         decisions[est.layout] = why
         if est.fits and (mesh not in best_fit or simplicity(est) < simplicity(best_fit[mesh])):
@@ -169,3 +180,19 @@ def _price(profile: ModelProfile, tpp: Optional[TPProfile], cluster: Cluster, la
                         f"({'memory' if not mixed.fits else 'time'} of the whole layout)", d.paths)
                if d.unit in keep else d for d in why]
     return split, resplit
+
+
+def _split_all(profile: ModelProfile, tpp: TPProfile, cluster: Cluster, lay: Layout, global_batch: int,
+               training: bool, memo: dict, why: list[Decision]) -> tuple[Estimate, list[Decision]]:
+    """The layout with every unit split, for a layout the cost model would keep wholly unsplit.
+
+    Tensor parallelism that keeps every unit whole has each tp rank repeat the others' work: cheap on
+    paper for a tiny model (no collectives, no gradient sync) but never a use of the GPUs, which data
+    parallelism would give work of their own. Priced with its units split, it competes as tensor
+    parallelism and loses to data parallelism when its collectives cost more than they save.
+    """
+    est = estimate(profile, tpp, cluster, dataclasses.replace(lay, replicate=frozenset()), global_batch, training, memo)
+    whole = replicated_units(why)
+    return est, [Decision(d.unit, True, d.saves_s, d.costs_s, f"split: keeping every unit whole would split "
+                          f"nothing at tp {lay.tp}, each rank repeating the others' work ({d.why})", d.paths)
+                 if d.unit in whole else d for d in why]
