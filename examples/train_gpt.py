@@ -14,14 +14,16 @@ import argparse
 import json
 import os
 import time
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import tpcompile
+from tpcompile.cli.script import run_script
 from tpcompile.models import build
-from tpcompile.runtime import init_from_env
+from tpcompile.runtime import init_from_env, shutdown
 
 
 def make_dataset(vocab: int, n_seq: int, length: int, seed: int = 0) -> torch.Tensor:
@@ -47,18 +49,28 @@ def setup(steps: int) -> tuple[torch.nn.Module, list[torch.Tensor]]:
     return model, [data[(8 * i) % len(data):][:8] for i in range(steps)]
 
 
-def train(model: torch.nn.Module, batches: list[torch.Tensor], lr: float) -> list[float]:
-    """AdamW steps of `model` (whole, or one rank's module) on the batches; the losses."""
+def step_line(step: int, loss: float, ms: float, tokens: int) -> str:
+    """'step   3  loss 4.812345  41.2 ms  1553 tokens/s': one training step."""
+    return f"step {step:>3}  loss {loss:.6f}  {ms:.1f} ms  {tokens / (ms / 1e3):.0f} tokens/s"
+
+
+def train(model: torch.nn.Module, batches: list[torch.Tensor], lr: float,
+          show: Optional[Callable[[str], None]] = None) -> list[float]:
+    """AdamW steps of `model` (whole, or one rank's module) on the batches; the losses. With `show`, each step's
+    line (step, loss, ms, tokens/s) is passed to it as the step ends."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     device = next(model.parameters()).device
     losses = []
-    for ids in batches:
+    for step, ids in enumerate(batches):
+        start = time.perf_counter()
         ids = ids.to(device)
         opt.zero_grad()
         loss = next_token_loss(model(ids), ids)
         loss.backward()
         opt.step()
-        losses.append(loss.item())
+        losses.append(loss.item())  # item() waits for the device, so the time is the step's
+        if show is not None:
+            show(step_line(step, losses[-1], (time.perf_counter() - start) * 1e3, ids.numel()))
     return losses
 
 
@@ -74,7 +86,8 @@ def run_distributed(opts: argparse.Namespace) -> None:
     rank, world = init_from_env()
     model, batches = setup(opts.steps)
     local = tpcompile.parallelize(model, example_inputs=(batches[0],))
-    losses = train(local, batches, opts.lr)
+    show = (lambda line: print(line, flush=True)) if rank == 0 and not opts.json else None
+    losses = train(local, batches, opts.lr, show)
     every: list = [None] * world
     dist.all_gather_object(every, losses)
     if any(lo != losses for lo in every):
@@ -82,33 +95,34 @@ def run_distributed(opts: argparse.Namespace) -> None:
     if rank == 0:
         if opts.json:
             print(json.dumps({"world_size": world, "backend": dist.get_backend(), "losses": losses}))
-        else:
-            for step, loss in enumerate(losses):
-                print(f"step {step:>3}  loss {loss:.6f}")
-    dist.barrier()  # no rank tears the group down while another still uses it
-    if owned:
-        dist.destroy_process_group()
+    shutdown(destroy=owned)  # barrier: no rank tears the group down while another still uses it
 
 
 def run_local(opts: argparse.Namespace) -> None:
     """Without torchrun: unsharded training, and (world size > 1) simulated ranks beside it."""
     ws = opts.world_size
     start = time.perf_counter()
-    ref = reference_losses(opts.steps, opts.lr)
     if ws == 1:
-        print(json.dumps({"world_size": 1, "losses": ref}) if opts.json else
-              "\n".join(f"step {s:>3}  loss {lo:.6f}" for s, lo in enumerate(ref)))
+        model, batches = setup(opts.steps)
+        ref = train(model, batches, opts.lr, None if opts.json else print)
+        if opts.json:
+            print(json.dumps({"world_size": 1, "losses": ref}))
         return
+    ref = reference_losses(opts.steps, opts.lr)
     model, batches = setup(opts.steps)
     sharded = tpcompile.shard(model, ws, example_inputs=(batches[0],))
     ranks = [sharded.rank(r) for r in range(ws)]  # build every rank graph before the threads start
-    per_rank = tpcompile.simulate_ranks(ws, lambda r: train(ranks[r], batches, opts.lr))
+    lines: list[str] = []  # rank 0's step lines, printed after the table's header
+    per_rank = tpcompile.simulate_ranks(
+        ws, lambda r: train(ranks[r], batches, opts.lr, lines.append if r == 0 else None))
     if any(lo != per_rank[0] for lo in per_rank):
         raise SystemExit(f"the ranks disagree on the losses: {per_rank}")
     if opts.json:
         print(json.dumps({"world_size": ws, "losses": per_rank[0], "reference": ref}))
         return
-    print(f"{'step':>4}  {'unsharded':>10}  {'sharded':>10}  {'rel diff':>9}")
+    print(f"sharded steps (rank 0 of {ws} simulated ranks, which share this process):")
+    print("\n".join(lines))
+    print(f"\n{'step':>4}  {'unsharded':>10}  {'sharded':>10}  {'rel diff':>9}")
     worst = 0.0
     for step, (want, got) in enumerate(zip(ref, per_rank[0])):
         rel = abs(got - want) / abs(want)
@@ -133,4 +147,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_script(main))  # a user error: one line from rank 0, exit 2

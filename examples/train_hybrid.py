@@ -128,8 +128,9 @@ def reference(opts: argparse.Namespace) -> dict:
     if scaler is not None:
         model.scaler = scaler  # tpcompile.dcp saves and restores a model's LossScaler .scaler, as a HybridModel's
     start, before = resume(opts, model, opt)
-    losses, norms = [], []
+    losses, norms, times = [], [], []
     for step, ids in enumerate(batches[start:opts.steps], start):
+        began = time.perf_counter()
         opt.zero_grad()
         a, k = call(ids, args, kwargs)
         loss = next_token_loss(in_policy(model, a, k, opts.mixed_precision), ids)
@@ -141,12 +142,13 @@ def reference(opts: argparse.Namespace) -> dict:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), opts.clip)))
         opt.step()
         losses.append(loss.item())
+        times.append((time.perf_counter() - began) * 1e3)
         periodic_save(opts, model, opt, step + 1, before + losses)
     if opts.save:
         import torch.distributed.checkpoint as dcp
         dcp.save(model.state_dict(), checkpoint_id=opts.save, no_dist=True)
     out = {"dp": 1, "tp": 1, "pp": 1, "world_size": 1, "start_step": start, "losses": losses,
-           "all_losses": before + losses,
+           "all_losses": before + losses, "step_ms": times, "tokens_per_step": batches[0].numel(),
            "model_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
     if scaler is not None:
         out["skipped_steps"] = scaler.skipped
@@ -188,8 +190,9 @@ def distributed(opts: argparse.Namespace) -> dict:
     setup_s = time.perf_counter() - start
     opt = torch.optim.AdamW(hm.parameters(), lr=opts.lr)
     first, before = resume(opts, hm, opt)
-    losses, norms, start = [], [], time.perf_counter()
+    losses, norms, times, start = [], [], [], time.perf_counter()
     for step, ids in enumerate(batches[first:opts.steps], first):
+        began = time.perf_counter()
         mine = ids[dp_rank * per:(dp_rank + 1) * per]  # this data-parallel rank's share of the batch
         opt.zero_grad()
         a, k = call(mine, args, kwargs)
@@ -198,6 +201,7 @@ def distributed(opts: argparse.Namespace) -> dict:
             norms.append(hm.clip_grad_norm_(opts.clip).item())
         opt.step()
         losses.append(loss.item())
+        times.append((time.perf_counter() - began) * 1e3)
         periodic_save(opts, hm, opt, step + 1, before + losses)
     step_s = (time.perf_counter() - start) / max(1, opts.steps - first)
     if opts.save:
@@ -213,6 +217,7 @@ def distributed(opts: argparse.Namespace) -> dict:
            "backend": dist.get_backend(), "model": opts.model, "schedule": hm.schedule,
            "data_parallel": opts.data_parallel, "microbatches": opts.microbatches, "dtype": opts.dtype, "mixed_precision": opts.mixed_precision,
            "start_step": first, "losses": losses, "all_losses": before + losses,
+           "step_ms": times, "tokens_per_step": batches[0].numel(),
            "model_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
            "param_bytes_per_rank": [r["param_bytes"] for r in every],
            "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in every],
@@ -275,11 +280,12 @@ def main() -> None:
         tpcompile.runtime.shutdown(destroy=owned)  # barrier: no rank tears the group down while another still uses it
         if rank != 0:
             return
+    times, tokens = report.pop("step_ms"), report.pop("tokens_per_step")  # the lines' figures, not the JSON's
     if opts.json:
         print(json.dumps(report))
-    else:
-        for step, loss in enumerate(report["losses"]):
-            print(f"step {step:>3}  loss {loss:.6f}")
+    else:  # one line per step: the global batch's loss, rank 0's time, the global batch's tokens per second
+        for step, (loss, ms) in enumerate(zip(report["losses"], times)):
+            print(f"step {step:>3}  loss {loss:.6f}  {ms:.1f} ms  {tokens / (ms / 1e3):.0f} tokens/s")
 
 
 if __name__ == "__main__":

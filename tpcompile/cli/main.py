@@ -10,7 +10,7 @@ from typing import NoReturn
 
 import torch
 
-from tpcompile.cli import demo, diff, dump, generate, plan, strategy, verify
+from tpcompile.cli import demo, diff, dump, generate, plan, profile, strategy, verify
 from tpcompile.cli.common import one_line
 from tpcompile.cli.failures import shadowing_folder, shadowing_message
 from tpcompile.models.spec import ACCEPTED_FORMS
@@ -29,7 +29,11 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with all subcommands."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    # SUPPRESS: a subcommand's parser would otherwise reset a flag given before the subcommand to its default
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the full traceback of an error")
+    common.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                        help="show tpcompile's log lines with their rank (-v info, -vv debug; also TPCOMPILE_LOG=info)")
     parser = _Parser(prog="tpcompile", parents=[common],
                      description="Automatic tensor parallelism for PyTorch models: see what the compiler does "
                                  "to every rank, and check it.", epilog=f"MODEL is one of: {ACCEPTED_FORMS}")
@@ -43,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(sub, common)
     strategy.add_parser(sub, common)
     generate.add_parser(sub, common)
+    profile.add_parser(sub, common)
     return parser
 
 
@@ -66,7 +71,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns = build_parser().parse_args(argv)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else EXIT_ERROR
-    if not ns.debug:
+    ns.debug, ns.verbose = getattr(ns, "debug", False), getattr(ns, "verbose", 0)
+    quiet = None
+    if ns.verbose and not ns.debug:
+        from tpcompile import logs
+        quiet = logs.verbose(ns.verbose)  # tpcompile's lines with their rank, torch's held back
+    elif not ns.debug:
         # torch logs warnings and errors (a failed fake-tensor run) while export fails or guesses; the
         # one-line error says what matters
         logging.disable(logging.CRITICAL)
@@ -86,3 +96,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
     finally:
         logging.disable(logging.NOTSET)
+        if quiet is not None:
+            quiet()
