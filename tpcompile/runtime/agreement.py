@@ -16,6 +16,7 @@ Two exchanges (`all_gather_object` over the group), each a few records per tenso
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Any, Iterable, Optional
 
 import torch
@@ -23,7 +24,8 @@ import torch.distributed as dist
 
 from tpcompile.errors import TPCompileError
 from tpcompile.runtime.failures import translate
-from tpcompile.runtime.fingerprint import TensorEntry, digest, first_difference_at, tensor_entries, values_differ
+from tpcompile.runtime.fingerprint import (TensorEntry, digest, first_difference_at, graph_digest, tensor_entries,
+                                           values_differ)
 from tpcompile.runtime.startup_check import first_difference as schedule_difference
 
 __all__ = ["agree_program", "agree_state", "distributed", "process_group"]
@@ -127,11 +129,11 @@ def agree_program(graph: list[str], plan: list[str], schedule: Optional[list], g
 
     Returns the digest of the agreed graph and plan, for logs.
     """
-    mine = (digest(graph), digest(plan), schedule)
+    mine = (graph_digest(graph), digest(plan), schedule)
     every = _gather(mine, group)
-    if any(g[0] != mine[0] for g in every) or any(g[0] != every[0][0] for g in every):
-        raise TPCompileError(_lines_message(_gather(graph, group), f"{entry}: the ranks captured different "
-                                            f"programs ({graph_label})", "node", SAME_MODEL.format(entry=entry)))
+    if any(g[0] != every[0][0] for g in every):
+        raise TPCompileError(_nodes_message(_gather(graph, group), f"{entry}: the ranks captured different "
+                                            f"programs ({graph_label})", SAME_MODEL.format(entry=entry)))
     if any(g[1] != every[0][1] for g in every):
         raise TPCompileError(_lines_message(_gather(plan, group), f"{entry}: the ranks sharded differently", "plan "
                                             "line", "pass the same plan=, sequence_parallel= and comm= on every "
@@ -141,6 +143,29 @@ def agree_program(graph: list[str], plan: list[str], schedule: Optional[list], g
         if why is not None:
             raise TPCompileError(f"{entry}: {why}")
     return digest([mine[0], mine[1]])
+
+
+def _first_unmatched(lines: list[str], other: Counter) -> Optional[tuple[int, str]]:
+    """The first line of `lines` (its index and text) that the other graph's multiset of lines runs out of."""
+    left = Counter(other)
+    for i, line in enumerate(lines):
+        if left[line] <= 0:
+            return i, line
+        left[line] -= 1
+    return None
+
+
+def _nodes_message(lists: list[list[str]], head: str, way_out: str) -> str:
+    """The first node of each side (in its own graph order) that the other side's graph lacks, both quoted."""
+    def say(hit: Optional[tuple[int, str]]) -> str:
+        return "nothing the other lacks" if hit is None else f"node #{hit[0]} {hit[1].split(' ', 1)[1]!r}"
+    ref = Counter(lists[0])
+    for r, other in enumerate(lists[1:], start=1):
+        if Counter(other) != ref:
+            return (f"{head}: rank 0 has {say(_first_unmatched(lists[0], Counter(other)))}, rank {r} has "
+                    f"{say(_first_unmatched(other, ref))} (rank 0 has {len(lists[0])} nodes, rank {r} {len(other)}); "
+                    f"{way_out}")
+    return f"{head}; {way_out}"
 
 
 def _lines_message(lists: list[list[str]], head: str, what: str, way_out: str) -> str:

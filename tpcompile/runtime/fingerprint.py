@@ -8,8 +8,9 @@ unequal record says where two ranks differ.
 - `TensorEntry`: a parameter or buffer by name, shape and dtype, and (for real tensors) a cheap
   fingerprint of its values: the sum and sum of squares (float32 for floating tensors), and a hash
   of up to SAMPLE evenly strided elements. Never a copy of the tensor.
-- `graph_lines`: one line per captured node: op, target, arguments (other nodes by index, devices
-  by type), the module that traced it, and for inputs their dtype and rank.
+- `graph_lines`: one line per captured node: op, target, arguments (other nodes by the hash of their
+  own line, devices by type), the module that traced it, and for inputs their dtype and rank; compared
+  as a multiset, so the order of independent nodes does not matter.
 - `plan_lines`: one line per parameter's split and per module's role, and the user's overrides.
 """
 from __future__ import annotations
@@ -25,8 +26,8 @@ from torch.fx import GraphModule, Node
 
 from tpcompile.passes.pass_context import module_path
 
-__all__ = ["SAMPLE", "TensorEntry", "digest", "first_difference_at", "graph_lines", "plan_lines", "tensor_entries",
-           "values_differ"]
+__all__ = ["SAMPLE", "TensorEntry", "digest", "first_difference_at", "graph_digest", "graph_lines", "plan_lines",
+           "tensor_entries", "values_differ"]
 
 SAMPLE = 1024  # elements hashed per tensor (evenly strided, the last one included)
 CHUNK = 1 << 22  # elements summed at a time (a half-precision chunk is widened to float32: 16 MiB)
@@ -112,51 +113,65 @@ def _target(node: Node) -> str:
     return f"{getattr(t, '__module__', '')}.{getattr(t, '__qualname__', repr(t))}"
 
 
-def _canon(value: Any, index: dict[Node, int]) -> str:
-    """An argument in words that do not depend on the process: nodes by index, devices by type."""
+def _canon(value: Any, ids: dict[Node, str]) -> str:
+    """An argument in words that do not depend on the process: nodes by their hash, devices by type."""
     if isinstance(value, Node):
-        return f"%{index.get(value, '?')}"
+        return f"#{ids.get(value, '?')}"
     if isinstance(value, (list, tuple)):
-        inner = ", ".join(_canon(v, index) for v in value)
+        inner = ", ".join(_canon(v, ids) for v in value)
         return f"[{inner}]" if isinstance(value, list) else f"({inner})"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_canon(v, index)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{k}: {_canon(v, ids)}" for k, v in value.items()) + "}"
     if isinstance(value, torch.device):
         return value.type
     if isinstance(value, torch.Tensor):
         return f"tensor({list(value.shape)}, {value.dtype})"
     if isinstance(value, slice):
-        return f"slice({_canon(value.start, index)}, {_canon(value.stop, index)}, {_canon(value.step, index)})"
+        return f"slice({_canon(value.start, ids)}, {_canon(value.stop, ids)}, {_canon(value.step, ids)})"
     return repr(value)
 
 
 def _input_val(node: Node) -> str:
-    """An input's dtype and shape, symbols renamed by first use (their numbers differ between captures)."""
+    """An input's dtype and shape (symbols renamed afterwards: their numbers differ between captures)."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return ""
     return f" : {val.dtype} ({', '.join(str(d) for d in val.shape)})"
 
 
+_SYMBOL = re.compile(r"\b[su]\d+\b")
+
+
 def graph_lines(gm: GraphModule) -> list[str]:
-    """One canonical line per node of a captured graph (see the module docstring)."""
-    index: dict[Node, int] = {}
-    lines = []
-    for i, n in enumerate(gm.graph.nodes):
-        index[n] = i
-        extra = _input_val(n) if n.op == "placeholder" else ""
-        kwargs = f" {_canon(n.kwargs, index)}" if n.kwargs else ""
-        lines.append(f"{n.op} {_target(n)} {_canon(n.args, index)}{kwargs}{extra} @{module_path(n) or '-'}")
-    return _rename_symbols(lines)
+    """One canonical line per node of a captured graph, in graph order: `#hash op target(args) @module`.
 
-
-def _rename_symbols(lines: list[str]) -> list[str]:
-    """Symbols (s0, s17, u3) renamed d0, d1, ... by first use, so that equal graphs read alike."""
+    A node's hash covers its op, target and arguments, other nodes by their own hashes (a Merkle hash of
+    the dataflow), so two captures that order independent nodes differently (model code iterating a set,
+    whose order follows Python's per-process hash seed) give the same lines in another order; compare
+    them as a multiset (`graph_digest`). Symbols are renamed d0, d1, ... by first use in the inputs.
+    """
     names: dict[str, str] = {}
 
-    def sub(m: re.Match) -> str:
-        return names.setdefault(m.group(0), f"d{len(names)}")
-    return [re.sub(r"\b[su]\d+\b", sub, line) for line in lines]
+    def rename(text: str, new: bool) -> str:
+        return _SYMBOL.sub(lambda m: names.setdefault(m.group(0), f"d{len(names)}") if new or m.group(0) in names
+                           else "d?", text)
+    ids: dict[Node, str] = {}
+    lines, inputs = [], 0
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            body, inputs = rename(f"placeholder {inputs}{_input_val(n)}", new=True), inputs + 1
+        else:
+            kwargs = f" {_canon(n.kwargs, ids)}" if n.kwargs else ""
+            body = rename(f"{n.op} {_target(n)} {_canon(n.args, ids)}{kwargs}", new=False)
+        body += f" @{module_path(n) or '-'}"
+        ids[n] = hashlib.sha256(body.encode()).hexdigest()[:12]
+        lines.append(f"#{ids[n]} {body}")
+    return lines
+
+
+def graph_digest(lines: list[str]) -> str:
+    """The digest of a graph's lines as a multiset: the same for the same dataflow in any node order."""
+    return digest(sorted(lines))
 
 
 def plan_lines(plan: Any, overrides: Any = None, extra: Iterable[str] = ()) -> list[str]:
