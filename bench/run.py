@@ -164,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["generate"]:  # the generation section: python -m bench generate (bench/generate.py)
         from bench.generate import main as generate_main
         return generate_main(argv[1:])
+    if argv[:1] == ["gpu"]:  # the one-GPU check: python -m bench gpu (bench/gpu.py)
+        from bench.gpu import main as gpu_main
+        return gpu_main(argv[1:])
     ap = parser()
     args = ap.parse_args(argv)
     saved = json.loads(args.from_json.read_text()) if args.from_json is not None else None

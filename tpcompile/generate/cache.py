@@ -7,7 +7,9 @@ the same way (sharding_rules/state.py), so each rank allocates and holds only it
 
 `CachedLM.forward(input_ids, position_ids, cache_position, masks)` runs the new tokens (a
 whole prompt, or one token) against everything cached so far and returns the logits of each
-row's last token, (B, vocab): one graph serves prefill and decode.
+row's last token, (B, vocab): one graph serves prefill and decode. Attention reads the first L
+cached positions, L being the masks' last dim (masks.attended_length): the generate loop passes
+the filled part of the cache rounded up to a bucket, not all max_seq_len positions.
 """
 from __future__ import annotations
 
@@ -30,23 +32,25 @@ class LayerShape:
 class KVCache(nn.Module):
     """Key and value buffers per layer, written in place at the new tokens' cache positions."""
 
-    def __init__(self, shapes: list[LayerShape], max_batch_size: int, max_seq_len: int) -> None:
+    def __init__(self, shapes: list[LayerShape], max_batch_size: int, max_seq_len: int,
+                 device: Optional[torch.device] = None) -> None:
         super().__init__()
         self.shapes = list(shapes)
         for i, s in enumerate(self.shapes):
             for kind in ("k", "v"):
-                buf = torch.zeros(max_batch_size, s.heads, max_seq_len, s.head_dim, dtype=s.dtype)
+                buf = torch.zeros(max_batch_size, s.heads, max_seq_len, s.head_dim, dtype=s.dtype, device=device)
                 self.register_buffer(f"{kind}{i}", buf, persistent=False)
 
-    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
-              cache_position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store (B, heads, T, head_dim) keys and values at `cache_position` (T,); all of the batch's cache back."""
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, cache_position: torch.Tensor,
+              length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store (B, heads, T, head_dim) keys and values at `cache_position` (T,); the batch's first `length`
+        cached positions back, (B, heads, length, head_dim), for attention to read."""
         batch = keys.shape[0]  # may be less than the batch the cache was allocated for
         k = getattr(self, f"k{layer}")[:batch]
         v = getattr(self, f"v{layer}")[:batch]
         k.index_copy_(2, cache_position, keys.to(k.dtype))
         v.index_copy_(2, cache_position, values.to(v.dtype))
-        return k, v
+        return k[:, :, :length], v[:, :, :length]
 
     def nbytes(self) -> int:
         """Bytes held by the buffers."""
@@ -82,7 +86,9 @@ class CachedLM(nn.Module):
                  max_seq_len: int) -> None:
         super().__init__()
         self.model = model
-        self.kv = KVCache(shapes, max_batch_size, max_seq_len)
+        # beside the weights: a model on a GPU keeps its cache there
+        device = next((t.device for t in model.parameters()), None)
+        self.kv = KVCache(shapes, max_batch_size, max_seq_len, device)
         self._adapter = adapter
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache_position: torch.Tensor,

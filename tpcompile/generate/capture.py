@@ -2,8 +2,9 @@
 
 The CachedLM is exported with the batch (1..max_batch_size) and the number of new tokens
 (1..max_seq_len) as named dynamic dims, so the same graph takes a whole prompt and then one token
-per step; the masks' last dim is the cache length, fixed. The passes then shard it like any model:
-projections by column and row, the cache buffers by heads (sharding_rules/state.py).
+per step; the masks' last dim, how many cached positions attention reads, is a third one. The
+passes then shard it like any model: projections by column and row, the cache buffers by heads
+(sharding_rules/state.py).
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def adapter_for(model: nn.Module) -> Adapter:
     raise TPCompileError(
         f"shard_generation does not know how {type(model).__name__} keeps keys and values: it takes Hugging Face "
         f"*ForCausalLM models (their forward takes a cache) and the bundled GPT; for another model, shard its "
-        f"forward with tpcompile.shard and recompute the sequence each step (examples/generate.py)")
+        f"forward with tpcompile.shard and run the whole sequence again for each new token (no cache)")
 
 
 def capture_generation(model: nn.Module, world_size: int, *, max_seq_len: int, max_batch_size: int,
@@ -69,12 +70,12 @@ def capture_generation(model: nn.Module, world_size: int, *, max_seq_len: int, m
     windows = adapter.windows(model)
     example, dynamic = _examples(windows, adapter.mask_kind, dtype, max_seq_len, max_batch_size,
                                  next(model.parameters()).device)
-    with warnings.catch_warnings():  # fixed on purpose: the masks' head dim of 1 and cache length, a batch of 1
+    with warnings.catch_warnings():  # fixed on purpose: the masks' head dim of 1, a batch of 1
         warnings.filterwarnings("ignore", message=r".*input 'masks.*' dim \d is fixed", category=TPCompileWarning)
         if max_batch_size == 1:
             warnings.filterwarnings("ignore", message=r".*input '\w+' dim 0 is fixed at 1", category=TPCompileWarning)
         sm = shard(wrapper, world_size, example_inputs=example, dynamic_shapes=dynamic,
-                   plan=_prefixed({**_position_tables(model, adapter), **_user_plan(plan)}), group=group)
+                   plan=_prefixed({**_whole_embeddings(model, adapter), **_user_plan(plan)}), group=group)
     eos, pad = adapter.stop_tokens(model)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     spec = GenerationSpec(max_seq_len, max_batch_size, windows, adapter.mask_kind, dtype, tuple(eos), pad,
@@ -84,26 +85,39 @@ def capture_generation(model: nn.Module, world_size: int, *, max_seq_len: int, m
 
 def _examples(windows: dict, kind: str, dtype: torch.dtype, max_seq_len: int, max_batch_size: int,
               device: torch.device) -> tuple[tuple, tuple]:
-    """Example inputs (a 3-token prompt) and their dynamic dims: batch and new tokens vary, down to 1."""
+    """Example inputs (a 3-token prompt) and their dynamic dims: batch, new tokens and the attended cache length
+    vary, down to 1."""
     batch = min(2, max_batch_size)
     tokens = 3
     ids = torch.zeros(batch, tokens, dtype=torch.long, device=device)
     cache_position = torch.arange(tokens, device=device)
-    keep = torch.ones(batch, max_seq_len, dtype=torch.bool, device=device)
+    keep = torch.ones(batch, max_seq_len - 1, dtype=torch.bool, device=device)
     masks = step_masks(keep, cache_position, windows, kind, dtype)
     b = Dim("batch", min=1, max=max_batch_size) if max_batch_size > 1 else None
     t = Dim("new_tokens", min=1, max=max_seq_len)
+    # How much of the cache attention reads. Never all of it: the token at the last position is never fed
+    # back (it is the last one generated), and a length below the buffer's keeps every read a strict slice,
+    # so the model's reshapes of it take one path at every length.
+    attended = Dim("attended", min=1, max=max_seq_len - 1)
     row = {0: b, 1: t} if b is not None else {1: t}
-    dynamic = (row, dict(row), {0: t}, {name: ({0: b, 2: t} if b is not None else {2: t}) for name in masks})
+    mask_dims = {0: b, 2: t, 3: attended} if b is not None else {2: t, 3: attended}
+    dynamic = (row, dict(row), {0: t}, {name: dict(mask_dims) for name in masks})
     return (ids, cache_position.expand(batch, tokens).clone(), cache_position, masks), dynamic
 
 
-def _position_tables(model: nn.Module, adapter: Adapter) -> dict[str, str]:
-    """Embeddings other than the token embedding, kept whole: they read positions, and a vocabulary split
-    of a position table would cost one all-reduce per step for a table a rank can well hold."""
+def _whole_embeddings(model: nn.Module, adapter: Adapter) -> dict[str, str]:
+    """Embeddings kept whole on every rank: a step looks up one row per prompt, so a vocabulary split saves
+    memory at the price of one all-reduce per step. Position tables always; the token embedding unless its
+    weight is tied to another module's (a tied head is split by vocabulary, and the two must be cut alike)."""
     token = adapter.token_embedding(model)
-    return {name: "replicate" for name, mod in model.named_modules()
-            if isinstance(mod, nn.Embedding) and mod is not token and name}
+    whole = {name: "replicate" for name, mod in model.named_modules()
+             if isinstance(mod, nn.Embedding) and mod is not token and name}
+    weight = getattr(token, "weight", None)
+    names = [n for n, p in model.named_parameters(remove_duplicate=False) if p is weight]
+    path = next((name for name, mod in model.named_modules() if mod is token), None)
+    if path and len(names) == 1:
+        whole[path] = "replicate"
+    return whole
 
 
 def _check_positions(model: nn.Module, adapter: Adapter, max_seq_len: int) -> None:

@@ -1,4 +1,4 @@
-"""ShardedGenerator and each rank's generate loop: prefill the prompt, then one token per step.
+"""ShardedGenerator and each rank's generator: the arguments checked, then the generate loop (decode.py).
 
 A rank runs its graph on the whole (left-padded) prompt, which fills its heads of the cache and
 gives the first new token, then on one token per step. Every step's inputs (token, position,
@@ -20,8 +20,9 @@ from torch.fx import GraphModule
 from tpcompile.api import ShardedModel
 from tpcompile.errors import TPCompileError
 from tpcompile.generate.capture import CACHE_PREFIX, GenerationSpec
-from tpcompile.generate.masks import step_masks
-from tpcompile.generate.sampling import Sampling, next_tokens
+from tpcompile.generate.decode import BUCKET, StepRunner, decode
+from tpcompile.generate.inference import inference_module
+from tpcompile.generate.sampling import Sampling
 
 
 @dataclass
@@ -31,6 +32,7 @@ class GenerationStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
     prefill_s: float = 0.0
+    first_token_s: float = 0.0
     decode_s: list[float] = field(default_factory=list)
 
     @property
@@ -43,50 +45,38 @@ class GenerationStats:
 class RankGenerator:
     """One rank's graph and cache; `generate` returns prompt + new tokens, as Hugging Face generate does."""
 
-    def __init__(self, module: GraphModule, spec: GenerationSpec, rank: int, world_size: int) -> None:
+    def __init__(self, module: GraphModule, spec: GenerationSpec, rank: int, world_size: int,
+                 input_check: Optional[Any] = None) -> None:
         self.module, self.spec, self.rank, self.world_size = module, spec, rank, world_size
+        self.input_check = input_check  # the ranks' generate() arguments compared (runtime/input_check.py)
         self.stats = GenerationStats()
         self._device = next((b.device for b in module.buffers()), torch.device("cpu"))
+        self.bucket = BUCKET  # attention reads the filled cache rounded up to a multiple of this many positions
+        self.cuda_graphs = True  # on a CUDA device, each decode step length is captured once and replayed
+        self._runners: dict[int, StepRunner] = {}  # per batch size: the decode step's inputs (and CUDA graphs)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, attention_mask: Optional[torch.Tensor] = None,
                  do_sample: bool = False, temperature: float = 1.0, top_k: Optional[int] = None,
                  top_p: Optional[float] = None, eos_token_id: Union[int, Sequence[int], None] = None,
-                 seed: Optional[int] = None) -> torch.LongTensor:
-        """(B, P) prompt ids (left-padded, with attention_mask) -> (B, P + n) ids, n <= max_new_tokens."""
+                 seed: Optional[int] = None, pad_token_id: Optional[int] = None) -> torch.LongTensor:
+        """(B, P) prompt ids (left-padded, with attention_mask) -> (B, P + n) ids, n <= max_new_tokens; rows that
+        end early are filled with pad_token_id (default: the model's pad token, else the first eos id), as HF's."""
+        called = time.perf_counter()
         ids, mask = self._check(input_ids, attention_mask, max_new_tokens)
+        if self.input_check is not None:  # every rank must generate from the same prompts with the same options
+            self.input_check((), dict(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                      do_sample=bool(do_sample), temperature=temperature, top_k=top_k, top_p=top_p,
+                                      eos_token_id=eos_token_id, seed=seed, pad_token_id=pad_token_id))
         how = Sampling(bool(do_sample), temperature, top_k, top_p).check()
         eos = self._eos(eos_token_id)
-        pad = self.spec.pad if self.spec.pad is not None else (eos[0] if eos else 0)
+        if pad_token_id is not None and (isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int)):
+            raise TPCompileError(f"pad_token_id must be an int, got {pad_token_id!r}")
+        pad = next(p for p in (pad_token_id, self.spec.pad, eos[0] if eos else 0) if p is not None)
         generator = self._generator(seed) if how.do_sample else None
-        batch, prompt = ids.shape
-        self.stats = GenerationStats(prompt_tokens=prompt)
-        keep = torch.ones(batch, self.spec.max_seq_len, dtype=torch.bool, device=self._device)
-        keep[:, :prompt] = mask.bool()
-        position = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as generate derives it
-        cache_position = torch.arange(prompt, device=self._device)
-        tokens, out = ids, [ids]
-        unfinished = torch.ones(batch, dtype=torch.bool, device=self._device)
-        eos_t = torch.tensor(eos, dtype=torch.long, device=self._device)
-        for step in range(max_new_tokens):
-            start = time.perf_counter()
-            masks = step_masks(keep, cache_position, self.spec.windows, self.spec.mask_kind, self.spec.dtype)
-            logits = self.module(tokens, position, cache_position, masks)
-            chosen = next_tokens(logits, how, generator)
-            (self.stats.decode_s.append if step else self._prefill)(time.perf_counter() - start)
-            if eos:
-                chosen = torch.where(unfinished, chosen, torch.full_like(chosen, pad))
-                unfinished &= ~torch.isin(chosen, eos_t)
-            out.append(chosen[:, None])
-            self.stats.new_tokens += 1
-            if not bool(unfinished.any()):
-                break
-            tokens, position = chosen[:, None], position[:, -1:] + 1
-            cache_position = cache_position[-1:] + 1
-        return torch.cat(out, dim=1)
-
-    def _prefill(self, seconds: float) -> None:
-        self.stats.prefill_s = seconds
+        self.stats = GenerationStats(prompt_tokens=ids.shape[1])
+        return decode(self.module, self.spec, ids, mask, max_new_tokens, how, generator, eos, pad, self.stats,
+                      called=called, runners=self._runners, bucket=self.bucket, cuda_graphs=self.cuda_graphs)
 
     def _check(self, input_ids: Any, attention_mask: Any, max_new_tokens: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt and its mask as (B, P) tensors on this rank's device, within the cache's sizes."""
@@ -137,27 +127,11 @@ class RankGenerator:
         return torch.Generator(device=self._device).manual_seed(int(seed))
 
 
-# identity in forward, it communicates only in backward, which generation never runs
-_GRADIENT_MARKERS = ("tpcompile::grad_all_reduce",)
-
-
-def _for_inference(module: GraphModule) -> GraphModule:
-    """The rank graph without its gradient markers (each costs a custom-op dispatch per call, for nothing here)."""
-    markers = [n for n in module.graph.nodes if n.op == "call_function" and hasattr(n.target, "name")
-               and n.target.name() in _GRADIENT_MARKERS]
-    for node in markers:
-        node.replace_all_uses_with(node.args[0])
-        module.graph.erase_node(node)
-    if markers:
-        module.recompile()
-    return module
-
-
 class ShardedGenerator:
     """The captured model with its cache, sharded: `.rank(r)` is rank r's generator."""
 
-    def __init__(self, sharded: ShardedModel, spec: GenerationSpec) -> None:
-        self.sharded, self.spec = sharded, spec
+    def __init__(self, sharded: ShardedModel, spec: GenerationSpec, input_check: Optional[Any] = None) -> None:
+        self.sharded, self.spec, self.input_check = sharded, spec, input_check
         self.world_size = sharded.world_size
         self._ranks: dict[int, RankGenerator] = {}
         self._lock = threading.Lock()
@@ -167,7 +141,8 @@ class ShardedGenerator:
         module = self.sharded.rank(r)  # checks r
         with self._lock:
             if r not in self._ranks:
-                self._ranks[r] = RankGenerator(_for_inference(module), self.spec, r, self.world_size)
+                self._ranks[r] = RankGenerator(inference_module(module), self.spec, r, self.world_size,
+                                               self.input_check)
             return self._ranks[r]
 
     def cache_bytes(self, r: int = 0) -> int:

@@ -42,7 +42,7 @@ class GPTAdapter:
         """Embed, run each block against the cache, and return the last token's logits (B, vocab)."""
         t = model.transformer
         x = t.drop(t.wte(input_ids) + t.wpe(position_ids))
-        mask = masks["mask"]
+        mask = masks["mask"]  # (B, 1, T, L): attention reads the first L cached positions
         for i, block in enumerate(t.h):
             x = x + _attend(block.attn, block.ln_1(x), cache, i, cache_position, mask)
             x = x + block.mlp(block.ln_2(x))
@@ -67,7 +67,7 @@ def _attend(attn: nn.Module, x: torch.Tensor, cache: KVCache, layer: int, cache_
         q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
     # (B, nh, T, hd)
     q, k, v = (t.view(B, T, attn.n_head, C // attn.n_head).transpose(1, 2) for t in (q, k, v))
-    keys, values = cache.write(layer, k, v, cache_position)  # (B, nh, max_seq_len, hd)
+    keys, values = cache.write(layer, k, v, cache_position, mask.shape[-1])  # (B, nh, L, hd)
     y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     y = y.transpose(1, 2).contiguous().view(B, T, C)
     return attn.resid_dropout(attn.c_proj(y))

@@ -17,7 +17,7 @@ from torch import nn
 
 from tpcompile.errors import TPCompileError
 from tpcompile.generate.cache import KVCache, LayerShape
-from tpcompile.generate.masks import ADDITIVE_MASK, BOOL_MASK, step_masks
+from tpcompile.generate.masks import ADDITIVE_MASK, BOOL_MASK, attended_length, step_masks
 
 _MASK_KINDS = {"sdpa": BOOL_MASK, "eager": ADDITIVE_MASK}
 
@@ -121,7 +121,8 @@ class HFAdapter:
             cache_position: torch.Tensor, masks: dict[str, torch.Tensor]) -> torch.Tensor:
         """The model's forward on the new tokens, its cache layers writing into `cache`."""
         cache_cls, _ = _cache_classes()
-        writers = [_writer(cache, i, cache_position) for i in range(self.n_layers)]
+        length = attended_length(masks)
+        writers = [_writer(cache, i, cache_position, length) for i in range(self.n_layers)]
         return self._call(model, cache_cls(writers), input_ids, position_ids, masks)
 
     def _call(self, model: nn.Module, cache: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -147,7 +148,7 @@ class HFAdapter:
         return eos_list, None if pad is None else int(pad)
 
 
-def _writer(cache: KVCache, layer: int, cache_position: torch.Tensor) -> Callable:
+def _writer(cache: KVCache, layer: int, cache_position: torch.Tensor, length: int) -> Callable:
     def write(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return cache.write(layer, k, v, cache_position)
+        return cache.write(layer, k, v, cache_position, length)
     return write
