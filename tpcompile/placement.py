@@ -114,6 +114,11 @@ def moved(p: Shard, dim: int) -> Shard:
     return replace(p, dim=dim)
 
 
+def split_dims(p: Shard) -> tuple[int, ...]:
+    """The dims a split cuts: its dim, and the next one too when it is split within each piece (`split_next`)."""
+    return (p.dim, p.dim + 1) if p.split_next else (p.dim,)
+
+
 def padded_size(size: int, world_size: int) -> int:
     """`size` rounded up to a multiple of the world size."""
     return -(-size // world_size) * world_size

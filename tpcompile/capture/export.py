@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 from tpcompile.capture.input_dtypes import check_input_dtypes, embedding_ids_checked
 from tpcompile.capture.input_dims import fixed_dims, install_guards, warn_fixed
 from tpcompile.capture.model_state import model_state_kept
+from tpcompile.capture.regions import inline_regions
 from tpcompile.capture.signature import explicit_signature
 from tpcompile.errors import TPCompileError
 from tpcompile.ops.guards import autocast_state
@@ -137,7 +138,7 @@ def capture(model: nn.Module, example_inputs: tuple = (), example_kwargs: Option
             f"  try: example inputs that take the model's usual path; dynamic_shapes=... to fix a "
             f"dimension that cannot vary (e.g. dynamic_shapes={{'x': None}}); torch.cond for "
             f"data-dependent Python control flow") from e
-    gm = ep.module()
+    gm = inline_regions(ep.module(), autocast_state())  # grad-mode and no-op autocast regions inlined
     if not torch.is_autocast_enabled():  # under autocast the captured ops cast their inputs themselves
         check_input_dtypes(gm, model, args, kwargs)  # before the fixed-dim warnings an integer input would cause
     fixed = fixed_dims(gm, args, kwargs)

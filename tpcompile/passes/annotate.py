@@ -7,9 +7,12 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
+from tpcompile.passes.param_pieces import mark_pieces
 from tpcompile.passes.pass_context import PassContext, module_path, owner_path
+from tpcompile.passes.size_equalities import record_size_equalities
 from tpcompile.passes.weight_roles import mark_kept_whole
 from tpcompile.sharding_rules import RuleSpec, lookup
+from tpcompile.sharding_rules.contract_readers import index_needs
 from tpcompile.sharding_rules.experts import contraction
 from tpcompile.sharding_rules.rule_context import weight_view
 
@@ -19,6 +22,7 @@ _FOLLOW = {"pointwise", "reshape"}
 
 def annotate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Write node.meta['tp_rule'] (the op table row, None when the op has none) on every op."""
+    record_size_equalities(gm)  # input sizes a view proves equal (cross-attention's two batches), before any rule
     ctx.tensors = dict(gm.named_parameters(remove_duplicate=False))
     ctx.tensors.update(dict(gm.named_buffers(remove_duplicate=False)))
     for node in gm.graph.nodes:  # first the picks by constant positions: fused projections are cut by them
@@ -40,6 +44,7 @@ def annotate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
         if spec is not None and spec.rule in ("weight_matmul", "weight_conv", "embedding"):
             spec = RuleSpec(spec.rule, {**spec.args, "owner": _owner(node, spec, ctx)})
         node.meta["tp_rule"] = _contraction(node, ctx) or spec
+    mark_pieces(gm, ctx)  # linears reading row pieces of a parameter: each piece a weight of its own
     mark_kept_whole(gm, ctx)
     return gm
 
@@ -54,7 +59,8 @@ def _contraction(node: Node, ctx: PassContext) -> Optional[RuleSpec]:
     if not view.nodes and (len(view.param.users) > 1 or len(ctx.aliases(view.param.target)) > 1):
         return None  # a plain parameter read elsewhere too (a tied head): read as the other ops cut it
     return RuleSpec("weight_contract", {"act": act, "weight": weight, "view": view, "equation": eq,
-                                        "owner": owner_path(view.param.target), "segments": _segment_hint(node)})
+                                        "owner": owner_path(view.param.target), "segments": _segment_hint(node),
+                                        "needs": index_needs(node, eq, ctx.world_size)})  # which index to split
 
 
 def _constant_positions(gm: GraphModule, node: Node) -> Optional[tuple[int, ...]]:

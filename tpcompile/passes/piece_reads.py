@@ -2,10 +2,12 @@
 before a matmul reads a piece of it.
 
 `nn.MultiheadAttention` does this for cross-attention: it splits its packed `in_proj_weight` into
-the query rows and the key/value rows and runs a `linear` on each. No sharding rule splits a piece of a
-parameter, so such a weight stays whole on every rank. Results stay exact, but each rank holds and
-multiplies the whole weight, and nothing else names it: this check, run after propagation, says so
-for each such parameter, with the way out.
+the query rows and the key/value rows and runs a `linear` on each. Pieces cut along a linear's output
+rows, each read by one linear, are weights of their own (passes/param_pieces.py): they split, or stay
+whole for a reason propagation names. Any other piece read (a weight cut along its input features, a
+piece read by a matmul of activations or by several ops) has no rule, so such a weight stays whole on
+every rank. Results stay exact, but each rank holds and multiplies the whole weight, and nothing else
+names it: this check, run after propagation, says so for each such parameter, with the way out.
 """
 from __future__ import annotations
 
@@ -43,7 +45,9 @@ def _piece_matmul(param: Node) -> Optional[tuple[Node, Node]]:
                 continue
             seen.add(user)
             rule = getattr(lookup(user.target), "rule", None)
-            if rule in _MATMULS and cut is not None:
+            spec = user.meta.get("tp_rule")
+            if rule in _MATMULS and cut is not None and not (spec and (spec.get("weight_piece") or
+                                                                       spec.get("bias_piece"))):
                 return cut, user
             if rule in _CUTS:
                 stack.append((user, cut or user))
@@ -70,8 +74,8 @@ def warn_pieces_read_whole(gm: GraphModule, ctx: PassContext) -> None:
         silence = (f"plan={{{owner!r}: 'replicate'}} says so explicitly and silences this" if owner else
                    "it belongs to the top-level module, which no plan entry names alone")
         msg = (f"{describe(matmul)} reads a piece of {node.target} {tuple(t.shape)}, cut by {describe(cut)}; no rule "
-               f"splits part of a parameter, so {node.target} stays whole on every rank (results stay exact; "
-               f"each rank holds and multiplies all of it). Holding the pieces as separate parameters (one "
-               f"nn.Linear each) lets them split; {silence}")
+               f"splits a piece cut this way (only row pieces that one linear each reads do), so {node.target} "
+               f"stays whole on every rank (results stay exact; each rank holds and multiplies all of it). "
+               f"Holding the pieces as separate parameters (one nn.Linear each) lets them split; {silence}")
         ctx.warnings.append(msg)
         warnings.warn(msg, TPCompileWarning, stacklevel=4)

@@ -34,6 +34,9 @@ def build_rank_module(gm: GraphModule, ctx: PassContext, rank: int, graph: fx.Gr
     for name, mod in gm.named_children():
         if not any(k.startswith(name + ".") for k in ctx.tensors):
             setattr(root, name, mod)
+    for node in graph.nodes:  # a region's body as this rank runs it (passes/rewrite_regions.py)
+        if node.op == "get_attr" and "tp_body" in node.meta:
+            _set(root, node.target, node.meta["tp_body"], is_param=False, constant=True)
     for node in graph.nodes:  # tensor literals of forward (torch.export lifts them to attributes): replicated
         if node.op == "get_attr" and node.target not in ctx.tensors and not _has(root, node.target):
             _set(root, node.target, _get(gm, node.target), is_param=False, constant=True)

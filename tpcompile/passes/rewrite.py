@@ -14,6 +14,7 @@ from tpcompile.ops.schedule import collective_name
 from tpcompile.passes.pass_context import PassContext, describe, internal_error
 from tpcompile.passes.rank_module import build_rank_module
 from tpcompile.passes.rewrite_dropout import emit_dropout, emit_sdpa_with_dropout, is_live_dropout, sdpa_dropout
+from tpcompile.passes.rewrite_regions import emit_region, is_region
 from tpcompile.passes.rewrite_slices import gather_tokens, local_slice, reduce_scatter_tokens
 from tpcompile.passes.rewrite_stats import emit_stats, is_stats
 from tpcompile.placement import (REPLICATE, Partial, Replicate, Shard, is_seq, local_shape, local_sizes, shape_key,
@@ -150,6 +151,8 @@ REWRITES: list[tuple[Callable[[Node], bool], Emit]] = [
     (_role("row"), lambda em, node, lookup: _emit_row(em, node, lookup)),  # local matmul, all-reduce, bias once
     (_role("vocab"), lambda em, node, lookup: _emit_vocab(em, node, lookup)),  # own rows, zero the rest, all-reduce
     (is_stats, emit_stats),  # a reduction or norm over the split dim: partial statistics, one small collective
+    # cond / map / an autocast region: its bodies rewritten for this rank
+    (is_region, lambda em, node, lookup: emit_region(em, node, lookup, _rewrite_node)),
     (lambda node: _stale_metadata_assert(node), _drop),  # asserts a sharded tensor's global size
     (is_live_dropout, emit_dropout),  # mask from each element's position in the whole tensor (ops/rng.py)
     (_is_sdpa_with_dropout, emit_sdpa_with_dropout),  # attention spelled out, its probabilities masked alike

@@ -6,15 +6,16 @@ the previous round cut it, `settle_parameters` gives each parameter one cut.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 from torch.fx import GraphModule, Node
 
+from tpcompile.passes.layout import Layout
 from tpcompile.passes.param_cuts import wished_cut
 from tpcompile.passes.op_result import check_wants, gathering_seq, op_result
 from tpcompile.passes.pass_context import PassContext, describe, internal_error
+from tpcompile.passes.region_bodies import place_body
 from tpcompile.placement import REPLICATE, ParamSlice, Shard, is_seq, slice_placement
 from tpcompile.sharding_rules.partial import partial_result
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, weight_view
@@ -23,16 +24,6 @@ SEED_RULES = ("weight_matmul", "weight_conv", "embedding", "weight_contract")  #
 WRITE_RULES = ("write_into",)  # in-place writes into a buffer, which they cut like the value written
 SEED_ROLES = ("column", "vocab")  # the roles that start a split (a row split ends one)
 _INPUT_LIKE = ("reshape", "pointwise", "expand")  # ops that keep a model input a model input
-
-
-@dataclass
-class Layout:
-    """node.meta['tp_layout']: what the rewriter must do around one node."""
-
-    role: str = "generic"
-    wants: list[Want] = field(default_factory=list)
-    localize: Optional[list[tuple]] = None
-    gather_output: bool = True
 
 
 def seed_path(node: Node) -> Optional[str]:
@@ -74,7 +65,7 @@ class Sweep:
             param=self.param, is_user_input=_is_user_input, demoted=lambda n: n in ctx.demoted,
             segment_hint=lambda n: n.meta["tp_rule"].get("segments"),
             sequence_parallel=ctx.sequence_parallel, pieces_of=ctx.pieces.get, buffer=self.buffer,
-            split_bytes=self.split_bytes)
+            split_bytes=self.split_bytes, place_body=place_body)
 
     def run(self) -> None:
         """Visit every node in order, then settle each parameter's slice."""
@@ -255,9 +246,11 @@ def _weight_args(node: Node) -> set:
         return set()
     if spec.get("view") is not None:  # a parameter viewed through transposes / a gather by expert ids
         return {spec.get("view").param, *spec.get("view").nodes}
+    pieces = {n for k in ("weight_piece", "bias_piece") if spec.get(k) is not None  # a row piece of a parameter
+              for n in (spec.get(k).param, *spec.get(k).nodes)}
     positions = [spec.get("weight"), spec.get("bias")] if spec.rule in ("weight_matmul", "weight_conv") else [0]
     args = [node.args[i] for i in positions if i is not None and i < len(node.args)]
-    return {w for w in (weight_view(a)[0] for a in args) if w is not None} | \
+    return pieces | {w for w in (weight_view(a)[0] for a in args) if w is not None} | \
         {a for a in args if isinstance(a, Node) and a.op == "call_function" and weight_view(a)[0] is not None}
 
 

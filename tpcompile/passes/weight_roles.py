@@ -5,8 +5,9 @@ Megatron, vLLM and DeepSpeed keep these whole on every rank: a mixture of expert
 is one score per expert, and the top-k choice needs them all), the narrow projection of a
 low-rank pair (LoRA's A, MLA's q_a / kv_a in DeepSeek), whose widening partner is split instead
 with no communication between them, and the projection of the embeddings to the model's width
-(OPT's project_in, ALBERT's embedding_hidden_mapping_in), whose output is the residual stream every
-layer reads whole. The reason is a note in the plan, not a warning.
+(OPT's project_in, ALBERT's embedding_hidden_mapping_in) or of the image's patches (a ViT's patch
+convolution), whose output is the residual stream every layer reads whole. The reason is a note in
+the plan, not a warning.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def mark_kept_whole(gm: GraphModule, ctx: PassContext) -> None:
     for node in _routers(gm, ctx):
         node.meta["tp_rule"] = RuleSpec("weight_matmul", {**node.meta["tp_rule"].args, "router": True})
     for node in _embedding_projections(gm, ctx):
-        node.meta["tp_rule"] = RuleSpec("weight_matmul", {**node.meta["tp_rule"].args, "embedding_projection": True})
+        spec = node.meta["tp_rule"]
+        node.meta["tp_rule"] = RuleSpec(spec.rule, {**spec.args, "embedding_projection": True})
     for down, up in _low_rank_pairs(gm, ctx):
         down.meta["tp_rule"] = RuleSpec("weight_matmul", {**down.meta["tp_rule"].args, "low_rank": "down"})
         up.meta["tp_rule"] = RuleSpec("weight_matmul", {**up.meta["tp_rule"].args, "low_rank_from": down})
@@ -149,27 +151,54 @@ def _selects_inside(node: Node, gm: GraphModule, width: int) -> bool:
     return False
 
 
-_STREAM = {"pointwise", "norm", "reshape"}  # between the embeddings and their projection, and along the stream
+_STREAM = {"pointwise", "norm", "reshape"}  # between the embeddings and their projection
+_ALONG = {"pointwise", "reshape", "transpose", "permute", "cat"}  # along the stream it starts (patches into tokens)
+_WEIGHT_OPS = {"weight_matmul", "weight_conv", "weight_contract"}  # what a later layer's output is computed by
 
 
 def _embedding_projections(gm: GraphModule, ctx: PassContext) -> list[Node]:
-    """Weight matmuls fed by embedding lookups alone (through elementwise ops and norms, no other weight op)
-    whose output is a residual stream: through elementwise ops it is added to a value computed from it by
-    other ops (the first layer's output). The first layer's q/k/v and MLP, also fed by the embeddings, are
-    not: their outputs are reshaped into heads or activated, never added back."""
-    out = []
-    for node in gm.graph.nodes:
-        if weight_sizes(node, ctx) is None or not _from_embeddings(node.args[node.meta["tp_rule"].get("input")]):
+    """Weight ops that start a residual stream from the model's inputs: a weight matmul fed by embedding
+    lookups alone, or a convolution (a patch or frame embedding) fed by them or by the model's inputs (through
+    elementwise ops, norms and reshapes, no other weight op), whose output, through elementwise ops, reshapes,
+    transposes and concatenation (the class token), is read by a norm and added to a value computed from it
+    through a later weight op (the first layer's output). The first layer's q/k/v and MLP, also fed by the
+    embeddings, are not: their outputs are reshaped into heads or activated, never added back after a weight
+    op (rotary embeddings add values computed from q without one); a CNN's convolutions are not added back."""
+    out, order = [], list(gm.graph.nodes)
+    for node in order:
+        x = _projection_input(node, ctx)
+        if x is None or not _from_embeddings(x, inputs=node.meta["tp_rule"].rule == "weight_conv"):
             continue
         stream, todo = set(), [node]
-        while todo and len(stream) < 16:  # the value and what elementwise ops make of it
+        while todo and len(stream) < 24:  # the value and what elementwise ops and reshapes make of it
             n = todo.pop()
             if n not in stream:
                 stream.add(n)
-                todo += [u for u in n.users if _rule(u) == "pointwise"]
-        if any(_adds_back(a, stream) for a in stream if a.target is torch.ops.aten.add.Tensor):
+                todo += [u for u in n.users if _rule(u) in _ALONG]
+        normed = any(_rule(u) in _NORMS for n in stream for u in n.users)
+        if normed and _adds_back(stream, order):
             out.append(node)
     return out
+
+
+def _projection_input(node: Node, ctx: PassContext) -> Optional[Node]:
+    """The input of a weight matmul with a 2-D parameter weight, or of an ungrouped convolution with a parameter
+    weight; else None."""
+    spec = node.meta.get("tp_rule")
+    if weight_sizes(node, ctx) is not None:
+        x = node.args[spec.get("input")]
+    elif spec is not None and spec.rule == "weight_conv":
+        args = node.args
+        w = args[spec.get("weight")] if spec.get("weight") < len(args) else None
+        groups = spec.get("groups_arg")
+        if groups is not None and groups < len(args) and args[groups] != 1:
+            return None
+        if not isinstance(w, Node) or w.op != "get_attr" or w.target not in ctx.tensors:
+            return None
+        x = args[spec.get("input")]
+    else:
+        return None
+    return x if isinstance(x, Node) else None
 
 
 def _rule(node: Node) -> Optional[str]:
@@ -177,9 +206,9 @@ def _rule(node: Node) -> Optional[str]:
     return spec.rule if spec is not None else None
 
 
-def _from_embeddings(value: object, limit: int = 32) -> bool:
-    """True when `value` is computed from embedding lookups (at least one), parameters and constants alone,
-    through elementwise ops, norms and reshapes."""
+def _from_embeddings(value: object, *, inputs: bool = False, limit: int = 32) -> bool:
+    """True when `value` is computed from embedding lookups (at least one; with `inputs`, the model's inputs
+    count too), parameters and constants alone, through elementwise ops, norms and reshapes."""
     todo, seen, found = [value], set(), False
     while todo:
         n = todo.pop()
@@ -187,7 +216,7 @@ def _from_embeddings(value: object, limit: int = 32) -> bool:
             continue
         seen.add(n)
         rule = _rule(n)
-        if rule == "embedding":
+        if rule == "embedding" or (inputs and n.op == "placeholder"):
             found = True
         elif rule not in _STREAM or len(seen) > limit:
             return False  # a placeholder, a weight op, attention: not the embeddings alone
@@ -196,17 +225,19 @@ def _from_embeddings(value: object, limit: int = 32) -> bool:
     return found
 
 
-def _adds_back(add: Node, stream: set, limit: int = 256) -> bool:
-    """True when one operand of `add` is computed from the stream by ops that are not elementwise."""
-    for other in add.all_input_nodes:
-        if other in stream:
+def _adds_back(stream: set, order: list[Node]) -> bool:
+    """True when an add in the stream has an operand computed from the stream through a weight op (a later
+    layer's output), found in one pass over the graph in order up to the last such add."""
+    adds = {n for n in stream if n.target in (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)}
+    if not adds:
+        return False
+    last = max(i for i, n in enumerate(order) if n in adds)
+    reach, through = set(stream), set()  # computed from the stream; and so through a weight op
+    for n in order[:last]:
+        if n in stream or not any(i in reach for i in n.all_input_nodes):
             continue
-        todo, seen = [other], set()
-        while todo and len(seen) < limit:
-            n = todo.pop()
-            if n in stream:
-                return True
-            if n not in seen:
-                seen.add(n)
-                todo += n.all_input_nodes
-    return False
+        reach.add(n)
+        spec = n.meta.get("tp_rule")
+        if (spec is not None and spec.rule in _WEIGHT_OPS) or any(i in through for i in n.all_input_nodes):
+            through.add(n)
+    return any(i in through for a in adds for i in a.all_input_nodes if i not in stream)

@@ -1,14 +1,21 @@
-"""Rule for convolutions with a weight parameter: split by channels, as a linear layer is by features.
+"""Rule for convolutions with a weight parameter (1-, 2- and 3-D): split by channels, as a linear layer is by features.
 
 A convolution fed a whole input is a column split: each rank computes its output channels (the
 weight's dim 0 and the bias cut alike), so its output is split on the channel dim 1. One fed an
 input split on its channels is a row split: each rank convolves its input channels (the weight's
 dim 1) into a partial sum of every output channel, reduced once, the bias added after the
-reduce. Whisper's two encoder convolutions are such a pair, with one all-reduce between them.
-A grouped convolution (depthwise: one group per channel, as Mamba's short causal convolution) on an
-input split by channels into whole groups per rank convolves its own groups: the weight's dim 0
-and the bias are cut alike, the output stays split on its channels and the group count is made
-local, with no communication. Its weight may be a view of the parameter (`w.squeeze(1).unsqueeze(1)`).
+reduce. Whisper's two encoder convolutions and a CNN's consecutive layers are such pairs, with
+one all-reduce between them. A convolution that starts a residual stream (a ViT's patch embedding:
+its output, flattened into tokens, is read by the first norm and added to the first block's output)
+is whole on every rank, as an embedding projection is (annotate marks it, passes/weight_roles.py),
+so the blocks split as Megatron's.
+A grouped convolution (depthwise: one group per channel, as Mamba's short causal convolution) convolves
+whole groups per rank: on an input split by channels into whole groups per rank, its own groups, with
+no communication; on a whole input, the channels of its own groups (a local slice, a column split). The
+weight's dim 0 and the bias are cut alike, the output is split on its channels and the group count is
+made local. Its weight may be a view of the parameter (`w.squeeze(1).unsqueeze(1)`).
+A transposed convolution (`conv_transpose*d`, `convolution(..., transposed=True)`) holds its weight as
+(in, out / groups, *kernel): the column split cuts its dim 1, the row split its dim 0.
 """
 from __future__ import annotations
 
@@ -26,10 +33,21 @@ def _arg(node: Node, i: Optional[int], default: Any = None) -> Any:
     return node.args[i] if i is not None and i < len(node.args) else default
 
 
-@rule("weight_conv", args={"input": int, "weight": int, "bias": int, "groups_arg": int})
+def _transposed(node: Node, spec: RuleSpec) -> bool:
+    """The weight is laid out (in, out / groups, *kernel): a transposed convolution."""
+    return spec.get("weight_layout") == "in_out" or bool(_arg(node, spec.get("transposed_arg"), False))
+
+
+def _channel_split(p: Any) -> bool:
+    """A value split plainly on its channels (dim 1), not by tokens."""
+    return isinstance(p, Shard) and p.plain and p.dim == 1 and not p.seq
+
+
+@rule("weight_conv", args={"input": int, "weight": int, "bias": int, "groups_arg": int, "transposed_arg": int,
+                           "weight_layout": ("out_in", "in_out")})  # in_out: a transposed convolution's weight
 def weight_conv(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
-    """conv1d (any convolution whose channels are dim 1 of input and output): column split on a whole input,
-    row split on one split by channels."""
+    """A convolution whose channels are dim 1 of input and output: column split on a whole input, row split on
+    one split by channels; grouped ones by whole groups."""
     x, w, b = (_arg(node, spec.get(k)) for k in ("input", "weight", "bias"))
     tensors = [n for n in (x, w, b) if isinstance(n, Node)]
     if _arg(node, spec.get("groups_arg"), 1) != 1:
@@ -38,18 +56,23 @@ def weight_conv(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         whole = [Want(n, REPLICATE) for n in tensors]
         return Result(REPLICATE, whole, conflict=None if ctx.all_replicated(tensors) else
                       "convolution with a computed weight on a split input")
+    out_dim, in_dim = (1, 0) if _transposed(node, spec) else (0, 1)
     params: dict[Node, Optional[ParamSlice]] = {w: None, **({b: None} if isinstance(b, Node) else {})}
-    px, channels = ctx.placement(x), ctx.shape(w)[0]
+    px, channels = ctx.placement(x), ctx.shape(w)[out_dim]
     if ctx.demoted(node):
         return Result(REPLICATE, [Want(x, REPLICATE)], role="replicated", params=params)
     if isinstance(px, Replicate):
+        if spec.get("embedding_projection"):  # marked by annotate (passes/weight_roles.py)
+            return Result(REPLICATE, [Want(x, REPLICATE)], role="replicated", params=params,
+                          note="embedding convolution: whole on every rank (its output is the residual stream "
+                               "the layers read whole)")
         if channels % ctx.world_size:
             return Result(REPLICATE, [Want(x, REPLICATE)], role="replicated", params=params,
                           demote_self=f"{channels} output channels not divisible by world size {ctx.world_size}")
-        params = {n: ParamSlice(0) for n in params}
+        params = {n: ParamSlice(out_dim if n is w else 0) for n in params}
         return Result(Shard(1), [ctx.replicated_want(x, Shard(1))], role="column", params=params)
-    if isinstance(px, Shard) and px.plain and px.dim == 1 and not px.seq:
-        params[w] = ParamSlice(1)
+    if _channel_split(px):
+        params[w] = ParamSlice(in_dim)
         out = PARTIAL if not isinstance(b, Node) and not ctx.sequence_parallel else REPLICATE
         bias = [ctx.replicated_want(b, out)] if isinstance(b, Node) else []
         return Result(out, [Want(x, px)] + bias, role="row", params=params)
@@ -58,27 +81,45 @@ def weight_conv(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
 
 
 def _grouped(node: Node, spec: RuleSpec, ctx: RuleContext, tensors: list) -> Result:
-    """groups > 1: each rank convolves the whole groups of its input channels (weight and bias cut on dim 0)."""
+    """groups > 1: each rank convolves the whole groups of its input channels (weight and bias cut on dim 0).
+
+    Dim 0 of the weight runs over the groups in both layouts: (out, in / groups, ...) and, transposed,
+    (in, out / groups, ...)."""
     x, w, b = (_arg(node, spec.get(k)) for k in ("input", "weight", "bias"))
     whole = [Want(n, REPLICATE) for n in tensors]
-    if ctx.all_replicated(tensors):
-        return Result(REPLICATE, whole)
-    found = param_behind(w, 0, depth=5)  # the parameter, its output channels still in dim 0
+    found = param_behind(w, 0, depth=5)  # the parameter, its groups still in dim 0
     src = found[0] if found is not None and found[1] == 0 and ctx.param(found[0]) is not None else None
     px, groups = ctx.placement(x), _arg(node, spec.get("groups_arg"))
-    if isinstance(px, Replicate) or ctx.demoted(node):  # whole (a weight an earlier round cut is read whole)
-        return Result(REPLICATE, whole, role="replicated", params={} if src is None else {src: None})
+    kept = {} if src is None else {src: None, **({b: None} if isinstance(b, Node) and ctx.param(b) is not None
+                                               else {})}
+    if isinstance(px, Replicate) and (src is None or not ctx.all_replicated(tensors)):
+        if ctx.all_replicated(tensors):
+            return Result(REPLICATE, whole)
+        return Result(REPLICATE, whole, conflict="grouped convolution with a computed weight on a split input")
+    if ctx.demoted(node):  # whole (a weight an earlier round cut is read whole)
+        return Result(REPLICATE, whole, role="replicated", params=kept)
     if src is None:
         return Result(REPLICATE, whole, conflict="grouped convolution with a computed weight on a split input")
-    if not (isinstance(px, Shard) and px.plain and px.dim == 1 and not px.seq):
+    if isinstance(px, Replicate):  # a whole input: this rank's groups' channels are a local slice of it
+        if groups % ctx.world_size:
+            return Result(REPLICATE, whole, role="replicated", params=kept,
+                          demote_self=f"{groups} groups not divisible by world size {ctx.world_size}")
+        return _own_groups(node, spec, ctx, src, Shard(1), "column")
+    if not _channel_split(px):
         return Result(REPLICATE, whole, conflict=f"grouped convolution on an input split as {px}, not on its "
                                                  f"channels (dim 1)")
     if groups % ctx.world_size:
         return Result(REPLICATE, whole, conflict=f"{groups} groups over channels split across {ctx.world_size} "
                                                  f"ranks: the world size must divide the groups")
+    return _own_groups(node, spec, ctx, src, px, "channels")
+
+
+def _own_groups(node: Node, spec: RuleSpec, ctx: RuleContext, src: Node, px: Shard, role: str) -> Result:
+    """The rank's whole groups: input channels, weight and bias cut alike on dim 0, the group count local."""
+    x, w, b = (_arg(node, spec.get(k)) for k in ("input", "weight", "bias"))
     params: dict[Node, Optional[ParamSlice]] = {src: ParamSlice(0)}
     if isinstance(b, Node) and ctx.param(b) is not None:
         params[b] = ParamSlice(0)
     wants = [Want(x, px), Want(w, Shard(0))] + ([Want(b, Shard(0))] if isinstance(b, Node) else [])
-    return Result(Shard(1), wants, role="channels", params=params,
+    return Result(Shard(1), wants, role=role, params=params,
                   localize=[("split", spec.get("groups_arg"), None, None)])

@@ -5,7 +5,7 @@ from typing import Any
 
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Replicate, Shard, moved
+from tpcompile.placement import REPLICATE, Replicate, Shard, moved, split_dims
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim, sizes_equal
 from tpcompile.sharding_rules.table import RuleSpec
@@ -67,7 +67,7 @@ def along_dim(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if isinstance(p, Replicate):
         return Result(REPLICATE, [Want(x, REPLICATE)])
     dim = norm_dim(node.args[spec.get("dim_arg")], len(ctx.shape(x)))
-    if dim == p.dim:
+    if dim in split_dims(p):
         return Result(REPLICATE, [Want(x, REPLICATE)], conflict=f"needs the whole of dim {dim}, which is sharded")
     return Result(p, [Want(x, p)])
 

@@ -22,6 +22,7 @@ import torch
 from torch.fx import Node
 
 from tpcompile.placement import PARTIAL, REPLICATE, ParamSlice, Replicate, Shard, shard
+from tpcompile.sharding_rules.contract_readers import REFUSED, TAKEN
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want
 from tpcompile.sharding_rules.table import RuleSpec, op_name
@@ -111,6 +112,25 @@ def _pick(operands: list, terms: list[str], out: str, plain_ok: bool) -> Optiona
     return operands[1 - i], operands[i], view, f"{terms[1 - i]},{terms[i]}->{out}"
 
 
+def _segments(letter: str, tw: str, tout: str, view: ParamView, spec: RuleSpec) -> tuple[int, ...]:
+    """The segments of output index `letter` (a fused projection's parts along the last dim), else its size."""
+    size = int(view.param.meta["val"].shape[view.dims[tw.index(letter)]])
+    return (spec.get("segments") if tout.index(letter) == len(tout) - 1 else None) or (size,)
+
+
+def _split_index(kept: list[str], tw: str, tout: str, view: ParamView, spec: RuleSpec, world_size: int) -> str:
+    """The output index a column split cuts: one the world size divides that the readers take best (annotate's
+    `needs`, sharding_rules/contract_readers.py: whole heads over head_dim, never a stacked q|k|v index),
+    the innermost parameter dim among equals (the features, not the experts)."""
+    needs = spec.get("needs") or {}
+
+    def key(c: str) -> tuple:
+        need = needs.get(c, TAKEN)
+        fits = not any(s % world_size for s in _segments(c, tw, tout, view, spec))
+        return fits and need > REFUSED, need, view.dims[tw.index(c)]
+    return max(kept, key=key)
+
+
 @rule("weight_contract")
 def weight_contract(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """An activation contracted with a parameter view: column split on a whole input, row split (pending sum)
@@ -133,10 +153,9 @@ def weight_contract(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         if not kept:
             return Result(REPLICATE, whole, role="replicated", params=params,
                           note="no output feature of the weight to split (only expert or batch dims)")
-        letter = max(kept, key=lambda c: view.dims[tw.index(c)])  # the features, not the experts
+        letter = _split_index(kept, tw, tout, view, spec, ctx.world_size)
         pdim, odim = view.dims[tw.index(letter)], tout.index(letter)
-        size = int(view.param.meta["val"].shape[pdim])
-        segments = (spec.get("segments") if odim == len(tout) - 1 else None) or (size,)
+        segments = _segments(letter, tw, tout, view, spec)
         bad = [s for s in segments if s % ctx.world_size]
         if bad:
             return Result(REPLICATE, whole, role="replicated", params=params,

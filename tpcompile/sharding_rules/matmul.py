@@ -7,6 +7,7 @@ from typing import Any, Optional
 from torch.fx import Node
 
 from tpcompile.placement import PARTIAL, REPLICATE, Replicate, Shard, moved, padded_size, shard_of
+from tpcompile.sharding_rules.pieces import piece_matmul
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import ParamSlice, Result, RuleContext, Want, weight_view
 from tpcompile.sharding_rules.table import RuleSpec
@@ -20,6 +21,8 @@ def _arg(node: Node, i: Optional[int]) -> Any:
                              "weight_layout": ("out_in", "in_out")})  # out_in: F.linear, in_out: x @ W
 def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """linear / addmm / mm / matmul: column split on a replicated input, row split on a sharded one."""
+    if spec.get("weight_piece") is not None or spec.get("bias_piece") is not None:
+        return piece_matmul(node, spec, ctx)  # a row piece of a parameter as its weight (sharding_rules/pieces.py)
     x, b = _arg(node, spec.get("input")), _arg(node, spec.get("bias"))
     w, transposed = weight_view(_arg(node, spec.get("weight")))  # W, or W.t() read as W the other way round
     wshape = ctx.shape(w)
@@ -117,7 +120,7 @@ def activation_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         if not isinstance(p, Shard):
             continue
         d = _out_dim(p.dim, len(shape), nout, is_a)
-        if d is None:
+        if d is None or (p.split_next and _out_dim(p.dim + 1, len(shape), nout, is_a) is None):
             return Result(REPLICATE, everything_replicated, conflict="sharded along the contracted dim")
         if target is not None and target != moved(p, d):
             return Result(REPLICATE, everything_replicated, conflict="operands sharded differently")
@@ -141,36 +144,6 @@ def _out_dim(d: int, ndim: int, nout: int, is_a: bool) -> Optional[int]:
     if (is_a and d == ndim - 1) or (not is_a and d == ndim - 2):
         return None
     return d + nout - ndim
-
-
-@rule("einsum")
-def einsum(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
-    """einsum: a sharded index that survives into the output stays sharded there."""
-    equation, operands = node.args[0], list(node.args[1])
-    everything_replicated = [Want(n, REPLICATE) for n in operands]
-    if ctx.all_replicated(operands):
-        return Result(REPLICATE, everything_replicated)
-    lhs, _, out = equation.replace(" ", "").partition("->")
-    terms = lhs.split(",")
-    if "." in equation or not out or len(terms) != len(operands):
-        return Result(REPLICATE, everything_replicated, conflict="einsum with ellipsis or implicit output")
-    letters = {terms[i][p.dim] for i, p in enumerate(map(ctx.placement, operands)) if isinstance(p, Shard)}
-    sharded = {ctx.placement(n) for n in operands if isinstance(ctx.placement(n), Shard)}
-    if len(letters) != 1 or len({(p.segments, p.padded) for p in sharded}) != 1:
-        return Result(REPLICATE, everything_replicated, conflict="einsum operands sharded on different indices")
-    letter, like = letters.pop(), sharded.pop()
-    if letter not in out:
-        return Result(REPLICATE, everything_replicated, conflict=f"einsum sums over the sharded index {letter!r}")
-    target = moved(like, out.index(letter))
-    wants = []
-    for n, term in zip(operands, terms):
-        if letter not in term:
-            wants.append(ctx.replicated_want(n, target))
-        elif isinstance(ctx.placement(n), Shard) or ctx.shape(n)[term.index(letter)] != 1:
-            wants.append(Want(n, moved(like, term.index(letter))))
-        else:
-            wants.append(ctx.replicated_want(n, target))
-    return Result(target, wants)
 
 
 @rule("embedding")

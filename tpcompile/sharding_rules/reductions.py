@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Replicate, Shard, moved
+from tpcompile.placement import REPLICATE, Replicate, Shard, moved, split_dims
 from tpcompile.sharding_rules.dtensor_fallback import example_numel, example_size
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim
@@ -149,6 +149,8 @@ def reduce(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return Result(REPLICATE, [Want(x, REPLICATE)])
     nd = len(ctx.shape(x))
     dims = _dims(node, spec, nd)
+    if p.split_next and p.dim + 1 in dims:
+        return Result(REPLICATE, [Want(x, REPLICATE)], conflict=f"reduces over dim {p.dim + 1}, split within pieces")
     if p.dim not in dims:
         shift = 0 if keepdim(node, spec) else sum(d < p.dim for d in dims)
         return Result(moved(p, p.dim - shift), [Want(x, p)])
@@ -191,7 +193,7 @@ def norm(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if isinstance(p, Replicate):
         return Result(REPLICATE, [Want(n, REPLICATE) for n in [x] + extra])
     nd, k = len(ctx.shape(x)), _trailing(node, spec, ctx, x)
-    if p.dim < nd - k:
+    if max(split_dims(p)) < nd - k:
         return Result(p, [Want(x, p)] + [ctx.replicated_want(n, p) for n in extra])
     if k != 1 or not p.plain or not isinstance(ctx.shape(x)[-1], int):
         return Result(REPLICATE, [Want(n, REPLICATE) for n in [x] + extra],
@@ -209,7 +211,7 @@ def softmax(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if isinstance(p, Replicate):
         return Result(REPLICATE, [Want(x, REPLICATE)])
     dim = norm_dim(node.args[spec.get("dim_arg")], len(ctx.shape(x)))
-    if dim != p.dim:
+    if dim not in split_dims(p):
         return Result(p, [Want(x, p)])
     if not _splittable(p) or p.segments is not None or p.outer is not None:
         return Result(REPLICATE, [Want(x, REPLICATE)], conflict=f"needs the whole of dim {dim}, split as {p}")

@@ -68,6 +68,10 @@ def _no_pieces(node: Node) -> Optional[int]:
     return None
 
 
+def _no_bodies(body: Any, inputs: list, grads: list, ctx: "RuleContext") -> tuple:
+    return None, "region bodies are placed only during propagation", None
+
+
 @dataclass(frozen=True)
 class RuleContext:
     """Read-only view of the graph and the placements decided so far (built by propagate's sweep)."""
@@ -83,6 +87,7 @@ class RuleContext:
     pieces_of: Callable[[Node], Optional[int]] = _no_pieces  # a seed split into fewer pieces than ranks
     buffer: Callable[[Any], Optional[torch.Tensor]] = lambda n: None  # the buffer a get_attr node reads, else None
     split_bytes: Callable[[Node], int] = lambda n: 0  # bytes of the weights whose splits a value carries (origins)
+    place_body: Callable[..., tuple] = _no_bodies  # a region's body placed node by node (passes/region_bodies.py)
 
     def seeing(self, placement: Callable[[Any], Placement]) -> "RuleContext":
         """The same context with placements read through `placement`."""

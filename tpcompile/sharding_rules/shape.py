@@ -8,7 +8,8 @@ import sympy
 import torch
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Replicate, Shard, local_sizes, moved, shard, shard_of
+from tpcompile.placement import REPLICATE, Replicate, Shard, local_sizes, moved, shard, shard_of, split_dims
+from tpcompile.sharding_rules.grouped import cut_later, grouped
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import (Result, RuleContext, Size, Want, exact_size, norm_dim, period,
                                                     prod, sizes_equal)
@@ -109,6 +110,9 @@ def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: i
                 why = (f"reshape of {tuple(ins)} to {tuple(outs)} puts {merged} neighbouring tokens in one entry "
                        f"of dim {gj[u]}; a rank's share of the tokens need not be a multiple of {merged}")
                 continue
+            held = grouped(p, one, m, pre, count, outs_g, u, ws)
+            if held:  # fewer groups than ranks, each split along the next dim: (kv heads, group, head_dim)
+                return replace(held, dim=gj[u]), ""
             if not p.seq and any(s % (p.pieces or ws) for s in one):  # a finer dim may still hold whole blocks
                 sizes = "x".join(str(s) for s in outs_g)
                 why = (f"reshape splits a sharded dim of size {ins[p.dim]} into ({sizes}); "
@@ -150,6 +154,8 @@ def reshape(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         if ones:
             return Result(Shard(ones[0], pieces=1), [Want(x, p)])
     out, why = reshape_placement(p, ctx.shape(x), ctx.shape(node), ctx.world_size)
+    if out is not None and out.split_next and p.split_next is None and cut_later(node, out.dim + 1):
+        out, why = None, f"reshape splits dim {out.dim + 1} within pieces, and a later op cuts along it"
     if out is None:
         res = _fail(node, why)
         res.regroup = _regroup(p, ctx.shape(x), ctx.shape(node), ctx.world_size)
@@ -170,6 +176,8 @@ def reshape(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         first = norm_dim(node.args[spec.get("dim_arg")], len(ctx.shape(x)))
         if 0 <= out.dim - first < len(node.args[spec.get("sizes_arg")]):
             res.localize = [("shape", spec.get("sizes_arg"), out.dim - first, out.pieces)]
+    if res.localize and out.split_next and res.localize[0][0] == "shape":  # the next dim, split within a piece
+        res.localize.append(("shape", res.localize[0][1], res.localize[0][2] + 1, out.split_next))
     return res
 
 
@@ -252,6 +260,8 @@ def split(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if isinstance(p, Replicate):
         return Result(tuple(REPLICATE for _ in pieces), [Want(x, REPLICATE)])
     dim = _dim(node, spec, len(ctx.shape(x)))
+    if p.split_next and dim == p.dim + 1:
+        return _fail(node, f"split along dim {dim}, which is split within pieces")
     if p.dim != dim:
         return Result(tuple(p for _ in pieces), [Want(x, p)])
     if p.padded is not None:
@@ -288,7 +298,7 @@ def unbind(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if isinstance(p, Replicate):
         return Result(tuple(REPLICATE for _ in range(n)), [Want(x, REPLICATE)])
     dim = _dim(node, spec, len(ctx.shape(x)))
-    if dim == p.dim:
+    if dim in split_dims(p):
         return _fail(node, "unbind along the sharded dim")
     out = moved(p, p.dim - (dim < p.dim))
     return Result(tuple(out for _ in range(n)), [Want(x, p)])
@@ -304,7 +314,7 @@ def cat(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     dim = _dim(node, spec, ndim)
     placements = {ctx.placement(t) for t in tensors if isinstance(ctx.placement(t), Shard)}
     target = placements.pop()
-    if placements or target.dim == dim:
+    if placements or dim in split_dims(target):
         return Result(REPLICATE, [Want(t, REPLICATE) for t in tensors],
                       conflict="cat of differently sharded values or along the sharded dim")
     return Result(target, [Want(t, target) for t in tensors])

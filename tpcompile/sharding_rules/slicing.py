@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Replicate, Shard, local_sizes, moved, shard_of
+from tpcompile.placement import REPLICATE, Replicate, Shard, local_sizes, moved, shard_of, split_dims
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim, sizes_equal
 from tpcompile.sharding_rules.table import RuleSpec
@@ -47,7 +47,7 @@ def slice_(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if isinstance(p, Replicate):
         return Result(REPLICATE, [Want(x, REPLICATE)])
     size = ctx.shape(x)[dim]
-    if dim != p.dim or sizes_equal(size, ctx.shape(node)[dim]):
+    if dim not in split_dims(p) or sizes_equal(size, ctx.shape(node)[dim]):
         return Result(p, [Want(x, p)])
     args = list(node.args) + [None] * (5 - len(node.args))
     start, end = (_bound(args[2], size, 0), _bound(args[3], size, size)) if isinstance(size, int) else (None, None)
@@ -74,7 +74,7 @@ def select(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     x, p, dim = _along(node, spec, ctx)
     if isinstance(p, Replicate):
         return Result(REPLICATE, [Want(x, REPLICATE)])
-    if dim == p.dim:
+    if dim in split_dims(p):
         return _fail(node, "select along the split dim")
     return Result(moved(p, p.dim - (dim < p.dim)), [Want(x, p)])
 
@@ -92,7 +92,7 @@ def index(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     taken = [k for k, i in enumerate(idx) if i is not None]
     if taken == [p.dim] and spec.get("positions") and _whole_pick(p, spec.get("positions"), ctx.shape(x)[p.dim]):
         return Result(Shard(p.dim, pieces=1), [Want(x, p)] + [Want(i, REPLICATE) for i in ids])
-    if p.dim in taken or taken != list(range(taken[0], taken[-1] + 1)):
+    if set(split_dims(p)) & set(taken) or taken != list(range(taken[0], taken[-1] + 1)):
         return _fail(node, f"gathers along the split dim {p.dim}", tuple(ids))
     new = max(len(ctx.shape(i)) for i in ids)  # the positions' (broadcast) dims replace the indexed ones
     out = p.dim if p.dim < taken[0] else p.dim - len(taken) + new

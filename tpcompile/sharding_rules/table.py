@@ -37,6 +37,8 @@ def load_table(path: str = str(_TABLE_FILE)) -> dict[str, RuleSpec]:
 def op_name(target: Any) -> str:
     """The table key of a call_function target ('aten.add.Tensor'), or its repr."""
     name = getattr(target, "name", None)
+    if callable(name) and getattr(target, "namespace", None) == "higher_order":  # a region op: no overloads
+        return f"higher_order.{target.name()}.default"
     if callable(name) and hasattr(target, "_schema"):
         ns, _, rest = target.name().partition("::")
         return f"{ns}.{rest}" if "." in rest else f"{ns}.{rest}.default"
