@@ -14,7 +14,7 @@ the filled part of the cache rounded up to a bucket, not all max_seq_len positio
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import nn
@@ -62,11 +62,11 @@ class Adapter(Protocol):
 
     mask_kind: str  # masks.BOOL_MASK or masks.ADDITIVE_MASK, as the model's attention takes it
 
-    def layers(self, model: nn.Module) -> list[LayerShape]:
-        """What each attention layer caches."""
+    def layers(self, model: nn.Module, kinds: dict[str, Any]) -> list[LayerShape]:
+        """What each attention layer caches (found with masks of these kinds)."""
 
-    def windows(self, model: nn.Module) -> dict[str, Optional[int]]:
-        """The kinds of attention mask the layers take: name -> sliding window (None: the whole past)."""
+    def locality(self, model: nn.Module, max_seq_len: int) -> dict[str, Any]:
+        """The kinds of attention mask the layers take: name -> locality.Locality."""
 
     def run(self, model: nn.Module, cache: KVCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
             cache_position: torch.Tensor, masks: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -20,7 +20,11 @@ from torch.export import Dim
 from tpcompile.api import ShardedModel, shard
 from tpcompile.errors import TPCompileError, TPCompileWarning
 from tpcompile.generate.cache import Adapter, CachedLM
+from tpcompile.generate.hf import is_hf_causal_lm
+from tpcompile.generate.locality import Locality
 from tpcompile.generate.masks import step_masks
+from tpcompile.generate.processors import hf_decoding
+from tpcompile.generate.support import PROBE_NEW, agree_with_generate, probe_lengths, run_or_refuse
 
 CACHE_PREFIX = "kv."  # where the cache buffers live in the captured module (model paths gain "model.")
 MIN_SEQ_LEN = 4  # the capture's example prompt (3 tokens) must be shorter than the cache
@@ -32,7 +36,7 @@ class GenerationSpec:
 
     max_seq_len: int
     max_batch_size: int
-    windows: dict[str, Optional[int]]
+    windows: dict[str, Locality]  # mask name -> what its layers see (generate/locality.py)
     mask_kind: str
     dtype: torch.dtype
     eos: tuple[int, ...]
@@ -40,6 +44,7 @@ class GenerationSpec:
     vocab_size: Optional[int]
     unsharded_cache_bytes: int
     group: str
+    decoding: Any = None  # processors.HFDecoding: the model's generation_config per call (None: the bundled GPT)
 
 
 def adapter_for(model: nn.Module) -> Adapter:
@@ -63,13 +68,18 @@ def capture_generation(model: nn.Module, world_size: int, *, max_seq_len: int, m
     """Shard `model` with a static cache for up to max_batch_size rows of max_seq_len tokens."""
     _check_sizes(max_seq_len, max_batch_size)
     adapter = adapter_for(model)
-    _check_positions(model, adapter, max_seq_len)
-    shapes = adapter.layers(model)
+    windows = adapter.locality(model, max_seq_len)
+    decoding = hf_decoding(model) if is_hf_causal_lm(model) else None
+    shapes, tables = _layers_and_position_tables(model, adapter, windows)
+    _check_positions(model, tables, max_seq_len)
     dtype = shapes[0].dtype if shapes else torch.float32
+    device = next(model.parameters()).device
+    if decoding is not None and device.type != "meta":  # the cache and masks must give generate's own logits
+        probe = CachedLM(model, adapter, shapes, 2, probe_lengths(windows) + PROBE_NEW + 1)
+        agree_with_generate(model, probe, windows, adapter.mask_kind, dtype)
+        del probe
     wrapper = CachedLM(model, adapter, shapes, max_batch_size, max_seq_len)
-    windows = adapter.windows(model)
-    example, dynamic = _examples(windows, adapter.mask_kind, dtype, max_seq_len, max_batch_size,
-                                 next(model.parameters()).device)
+    example, dynamic = _examples(windows, adapter.mask_kind, dtype, max_seq_len, max_batch_size, device)
     with warnings.catch_warnings():  # fixed on purpose: the masks' head dim of 1, a batch of 1
         warnings.filterwarnings("ignore", message=r".*input 'masks.*' dim \d is fixed", category=TPCompileWarning)
         if max_batch_size == 1:
@@ -79,7 +89,7 @@ def capture_generation(model: nn.Module, world_size: int, *, max_seq_len: int, m
     eos, pad = adapter.stop_tokens(model)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     spec = GenerationSpec(max_seq_len, max_batch_size, windows, adapter.mask_kind, dtype, tuple(eos), pad,
-                          vocab, wrapper.kv.nbytes(), sm._ctx.group)
+                          vocab, wrapper.kv.nbytes(), sm.group, decoding=decoding)
     return sm, spec
 
 
@@ -120,11 +130,34 @@ def _whole_embeddings(model: nn.Module, adapter: Adapter) -> dict[str, str]:
     return whole
 
 
-def _check_positions(model: nn.Module, adapter: Adapter, max_seq_len: int) -> None:
-    """A learned position table bounds the sequence: say so before anything is captured."""
+def _layers_and_position_tables(model: nn.Module, adapter: Adapter, windows: dict) -> tuple[list, dict]:
+    """The layers' cache shapes, and the embeddings that read positions (name -> module): those the shape probe
+    (token ids 0 at positions 0 and 1) looked up at an index above 0; every embedding but the token one when
+    no probe ran or the model is on the meta device (token-type tables read 0 and are not position tables)."""
     token = adapter.token_embedding(model)
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.Embedding) and mod is not token and mod.num_embeddings < max_seq_len:
+    others = {name: mod for name, mod in model.named_modules() if isinstance(mod, nn.Embedding) and mod is not token}
+    read: dict[str, int] = {}
+
+    def hook(name: str) -> Any:
+        def record(mod: nn.Module, args: tuple, out: Any) -> None:
+            if args and isinstance(args[0], torch.Tensor) and not args[0].is_meta and args[0].numel():
+                read[name] = max(read.get(name, 0), int(args[0].max()))
+        return record
+    handles = [mod.register_forward_hook(hook(name)) for name, mod in others.items()]
+    try:
+        shapes = run_or_refuse(model, "its forward", lambda: adapter.layers(model, windows))
+    finally:
+        for h in handles:
+            h.remove()
+    if not read:
+        return shapes, others
+    return shapes, {name: others[name] for name, top in read.items() if top > 0}
+
+
+def _check_positions(model: nn.Module, tables: dict[str, nn.Module], max_seq_len: int) -> None:
+    """A learned position table bounds the sequence: say so before anything is captured."""
+    for name, mod in tables.items():
+        if mod.num_embeddings < max_seq_len:
             raise TPCompileError(f"max_seq_len={max_seq_len} is longer than {type(model).__name__}'s position table "
                                  f"{name} ({mod.num_embeddings} positions); pass max_seq_len <= {mod.num_embeddings}")
 

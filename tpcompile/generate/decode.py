@@ -21,7 +21,7 @@ from torch.fx import GraphModule
 
 from tpcompile.errors import TPCompileWarning
 from tpcompile.generate.capture import GenerationSpec
-from tpcompile.generate.masks import advance, bucketed, step_masks
+from tpcompile.generate.masks import advance, bucketed, left_padding, step_masks
 from tpcompile.generate.sampling import Sampling, next_tokens
 
 BUCKET = 64  # attended positions are a multiple of this: at most 63 read that hold nothing yet
@@ -37,6 +37,7 @@ class DecodeInputs:
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.position_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)  # padding not counted
         self.cache_position = torch.zeros(1, dtype=torch.long, device=device)
+        self.first = torch.zeros(batch, dtype=torch.long, device=device)  # each row's first real position
         keep = torch.ones(batch, spec.max_seq_len, dtype=torch.bool, device=device)
         # (B, 1, 1, max_seq_len), for the whole cache; a step reads the first `length` positions
         self.masks = step_masks(keep, self.cache_position, spec.windows, spec.mask_kind, spec.dtype)
@@ -47,7 +48,9 @@ class DecodeInputs:
         self.tokens.copy_(chosen[:, None])
         self.position_ids.copy_(position_ids)
         self.cache_position.fill_(position)
-        fresh = step_masks(keep, self.cache_position, self.spec.windows, self.spec.mask_kind, self.spec.dtype)
+        self.first.copy_(left_padding(keep))
+        fresh = step_masks(keep, self.cache_position, self.spec.windows, self.spec.mask_kind, self.spec.dtype,
+                           self.first)
         for name, m in self.masks.items():
             m.copy_(fresh[name])
 
@@ -62,7 +65,7 @@ class DecodeInputs:
         self.tokens.copy_(chosen[:, None])
         self.position_ids.add_(1)
         self.cache_position.add_(1)
-        advance(self.masks, self.position, self.spec.windows, self.spec.mask_kind, self.spec.dtype)
+        advance(self.masks, self.position, self.spec.windows, self.spec.mask_kind, self.spec.dtype, self.first)
 
 
 class StepRunner:
@@ -155,6 +158,10 @@ def decode(module: GraphModule, spec: GenerationSpec, ids: torch.Tensor, mask: t
     setup_s = time.perf_counter() - called
     logits = module(ids, position_ids, cache_position, masks)
     out, unfinished = [ids], torch.ones(batch, dtype=torch.bool, device=device)
+    sequence = None  # the tokens so far, which the logits processors read
+    if how.processors is not None and len(how.processors):
+        sequence = torch.empty(batch, prompt + max_new_tokens, dtype=torch.long, device=device)
+        sequence[:, :prompt] = ids
     eos_t = torch.tensor(eos, dtype=torch.long, device=device)
     finished: list[torch.Tensor] = []  # per step: every row has finished (device bools, read in batches)
     sync_every, read = sync_interval(device), 0
@@ -164,12 +171,14 @@ def decode(module: GraphModule, spec: GenerationSpec, ids: torch.Tensor, mask: t
     for step in range(max_new_tokens):
         if step:
             logits = runner(bucketed(runner.inputs.position + 1, bucket, longest), cuda_graphs)
-        chosen = next_tokens(logits, how, generator)
+        chosen = next_tokens(logits, how, generator, None if sequence is None else sequence[:, :prompt + step])
         if eos:
             chosen = torch.where(unfinished, chosen, torch.full_like(chosen, pad))
             unfinished &= ~torch.isin(chosen, eos_t)
             finished.append(~unfinished.any())
         out.append(chosen[:, None])
+        if sequence is not None:
+            sequence[:, prompt + step] = chosen
         clock.mark()
         if eos and (len(finished) - read >= sync_every or step + 1 == max_new_tokens):
             hit = torch.stack(finished[read:]).nonzero()

@@ -22,7 +22,15 @@ from tpcompile.errors import TPCompileError
 from tpcompile.generate.capture import CACHE_PREFIX, GenerationSpec
 from tpcompile.generate.decode import BUCKET, StepRunner, decode
 from tpcompile.generate.inference import inference_module
+from tpcompile.generate.loading import load_generation_rank
 from tpcompile.generate.sampling import Sampling
+
+
+class _Temperature(float):
+    """The float 1.0 that also says "not given" (the contract's default, told apart from a caller's 1.0)."""
+
+
+DEFAULT_TEMPERATURE = _Temperature(1.0)
 
 
 @dataclass
@@ -57,26 +65,48 @@ class RankGenerator:
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, attention_mask: Optional[torch.Tensor] = None,
-                 do_sample: bool = False, temperature: float = 1.0, top_k: Optional[int] = None,
+                 do_sample: bool = False, temperature: float = DEFAULT_TEMPERATURE, top_k: Optional[int] = None,
                  top_p: Optional[float] = None, eos_token_id: Union[int, Sequence[int], None] = None,
                  seed: Optional[int] = None, pad_token_id: Optional[int] = None) -> torch.LongTensor:
         """(B, P) prompt ids (left-padded, with attention_mask) -> (B, P + n) ids, n <= max_new_tokens; rows that
-        end early are filled with pad_token_id (default: the model's pad token, else the first eos id), as HF's."""
+        end early are filled with pad_token_id (default: the model's pad token, else the first eos id), as HF's.
+        Greedy unless do_sample=True; temperature is the call's (1.0 unless given); None for top_k or top_p: the
+        model's generation_config decides, as in HF generate. Every other generation_config field applies."""
         called = time.perf_counter()
+        if temperature is DEFAULT_TEMPERATURE:  # not given: the generation_config's, when it has one
+            temperature = None
         ids, mask = self._check(input_ids, attention_mask, max_new_tokens)
         if self.input_check is not None:  # every rank must generate from the same prompts with the same options
             self.input_check((), dict(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                      do_sample=bool(do_sample), temperature=temperature, top_k=top_k, top_p=top_p,
+                                      do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                                       eos_token_id=eos_token_id, seed=seed, pad_token_id=pad_token_id))
-        how = Sampling(bool(do_sample), temperature, top_k, top_p).check()
-        eos = self._eos(eos_token_id)
+        Sampling(bool(do_sample), temperature, top_k, top_p).check()
+        given = None if eos_token_id is None else self._eos(eos_token_id)
         if pad_token_id is not None and (isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int)):
             raise TPCompileError(f"pad_token_id must be an int, got {pad_token_id!r}")
-        pad = next(p for p in (pad_token_id, self.spec.pad, eos[0] if eos else 0) if p is not None)
+        how, eos, pad = self._how(ids, mask, max_new_tokens, do_sample, temperature, top_k, top_p, given,
+                                  pad_token_id)
         generator = self._generator(seed) if how.do_sample else None
         self.stats = GenerationStats(prompt_tokens=ids.shape[1])
         return decode(self.module, self.spec, ids, mask, max_new_tokens, how, generator, eos, pad, self.stats,
                       called=called, runners=self._runners, bucket=self.bucket, cuda_graphs=self.cuda_graphs)
+
+    def _how(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, do_sample: Optional[bool],
+             temperature: Optional[float], top_k: Optional[int], top_p: Optional[float], eos: Optional[list[int]],
+             pad_token_id: Optional[int]) -> tuple[Sampling, list[int], int]:
+        """How to choose each token, the ids that end a row, and the id that fills it afterwards: a Hugging Face
+        model's generation_config merged with the call's arguments (its logits processors, eos and pad ids, as
+        generate prepares them), else temperature / top-k / top-p as given and the model's stop tokens."""
+        decoding = self.spec.decoding
+        if decoding is None:
+            eos = list(self.spec.eos) if eos is None else eos
+            pad = next(p for p in (pad_token_id, self.spec.pad, eos[0] if eos else 0) if p is not None)
+            return Sampling(bool(do_sample), 1.0 if temperature is None else temperature, top_k, top_p), eos, pad
+        done = decoding.prepare(ids, mask, max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
+                                top_p=top_p, eos_token_id=eos or None, pad_token_id=pad_token_id)
+        eos = done.eos if eos is None else eos
+        pad = next(p for p in (pad_token_id, done.pad, eos[0] if eos else 0) if p is not None)
+        return Sampling(done.do_sample, processors=done.processors), eos, pad
 
     def _check(self, input_ids: Any, attention_mask: Any, max_new_tokens: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt and its mask as (B, P) tensors on this rank's device, within the cache's sizes."""
@@ -107,10 +137,8 @@ class RankGenerator:
                                  "(tokenizer.padding_side = 'left'), as generate expects for decoder-only models")
         return input_ids.to(self._device, torch.long), mask.to(self._device)
 
-    def _eos(self, eos_token_id: Union[int, Sequence[int], None]) -> list[int]:
-        """The ids that end a row: the argument, else the model's generation_config (as generate does)."""
-        if eos_token_id is None:
-            return list(self.spec.eos)
+    def _eos(self, eos_token_id: Union[int, Sequence[int]]) -> list[int]:
+        """The ids that end a row, as the argument gives them (an int or a list of ints)."""
         ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise TPCompileError(f"eos_token_id must be an int or a list of ints, got {eos_token_id!r}")
@@ -130,8 +158,10 @@ class RankGenerator:
 class ShardedGenerator:
     """The captured model with its cache, sharded: `.rank(r)` is rank r's generator."""
 
-    def __init__(self, sharded: ShardedModel, spec: GenerationSpec, input_check: Optional[Any] = None) -> None:
+    def __init__(self, sharded: ShardedModel, spec: GenerationSpec, input_check: Optional[Any] = None,
+                 weights: Optional[Any] = None, device: Optional[Any] = None) -> None:
         self.sharded, self.spec, self.input_check = sharded, spec, input_check
+        self.weights, self.device = weights, device  # what fills each rank's tensors when it is built (loading.py)
         self.world_size = sharded.world_size
         self._ranks: dict[int, RankGenerator] = {}
         self._lock = threading.Lock()
@@ -141,6 +171,8 @@ class ShardedGenerator:
         module = self.sharded.rank(r)  # checks r
         with self._lock:
             if r not in self._ranks:
+                if self.weights is not None:  # this rank's slices, and its cache on the rank's device
+                    module = load_generation_rank(module, self.sharded, r, self.weights, CACHE_PREFIX, self.device)
                 self._ranks[r] = RankGenerator(inference_module(module), self.spec, r, self.world_size,
                                                self.input_check)
             return self._ranks[r]

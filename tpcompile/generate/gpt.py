@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpcompile.generate.cache import KVCache, LayerShape
+from tpcompile.generate.locality import FULL, Locality
 from tpcompile.generate.masks import BOOL_MASK
 
 
@@ -27,15 +28,15 @@ class GPTAdapter:
 
     mask_kind = BOOL_MASK
 
-    def layers(self, model: nn.Module) -> list[LayerShape]:
+    def layers(self, model: nn.Module, kinds: dict[str, Locality]) -> list[LayerShape]:
         """n_head heads of n_embd / n_head per layer."""
         c = model.config
         dtype = model.transformer.wte.weight.dtype
         return [LayerShape(c.n_head, c.n_embd // c.n_head, dtype) for _ in range(c.n_layer)]
 
-    def windows(self, model: nn.Module) -> dict[str, Optional[int]]:
+    def locality(self, model: nn.Module, max_seq_len: int) -> dict[str, Locality]:
         """Full causal attention in every layer."""
-        return {"mask": None}
+        return {"mask": FULL}
 
     def run(self, model: nn.Module, cache: KVCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
             cache_position: torch.Tensor, masks: dict[str, torch.Tensor]) -> torch.Tensor:

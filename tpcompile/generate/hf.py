@@ -17,6 +17,7 @@ from torch import nn
 
 from tpcompile.errors import TPCompileError
 from tpcompile.generate.cache import KVCache, LayerShape
+from tpcompile.generate.locality import Locality, attention_kinds
 from tpcompile.generate.masks import ADDITIVE_MASK, BOOL_MASK, attended_length, step_masks
 
 _MASK_KINDS = {"sdpa": BOOL_MASK, "eager": ADDITIVE_MASK}
@@ -82,15 +83,12 @@ class HFAdapter:
         self.keep_logits = "logits_to_keep" in params
         self.n_layers = int(self.config.num_hidden_layers)
 
-    def windows(self, model: nn.Module) -> dict[str, Optional[int]]:
-        """One mask per layer type when some layers slide (gemma3, qwen2), else one mask for all."""
-        window = getattr(self.config, "sliding_window", None)
-        types = set(getattr(self.config, "layer_types", None) or ())
-        if "sliding_attention" in types:
-            return {t: (window if t == "sliding_attention" else None) for t in sorted(types)}
-        return {"mask": window}  # a sliding_window outside layer_types applies to every layer (mistral)
+    def locality(self, model: nn.Module, max_seq_len: int) -> dict[str, Locality]:
+        """One mask per layer type when the kinds of layer differ (gemma3, qwen2 with sliding layers), else one mask
+        for all (generate/locality.py)."""
+        return attention_kinds(self.config, max_seq_len, type(model).__name__)
 
-    def layers(self, model: nn.Module) -> list[LayerShape]:
+    def layers(self, model: nn.Module, kinds: dict[str, Locality]) -> list[LayerShape]:
         """Each layer's kv heads and head dim, read from one eager forward of two tokens."""
         found: dict[int, LayerShape] = {}
 
@@ -107,7 +105,7 @@ class HFAdapter:
         ids = torch.zeros(1, 2, dtype=torch.long, device=device)
         pos = torch.arange(2, device=device)
         keep = torch.ones(1, 2, dtype=torch.bool, device=device)
-        masks = step_masks(keep, pos, self.windows(model), self.mask_kind, model.dtype)
+        masks = step_masks(keep, pos, kinds, self.mask_kind, model.dtype)
         cache_cls, _ = _cache_classes()
         with torch.no_grad():
             self._call(model, cache_cls([recorder(i) for i in range(self.n_layers)]), ids, pos[None], masks)

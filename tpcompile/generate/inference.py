@@ -17,6 +17,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from tpcompile.ops.collectives import _run
+from tpcompile.ops.inplace import _sum_into
 
 # identity in forward, they communicate only in backward, which generation never runs
 _GRADIENT_MARKERS = ("tpcompile::grad_all_reduce",)
@@ -34,7 +35,13 @@ def _all_gather_replicated(x: torch.Tensor, dim: int, group: str) -> torch.Tenso
     return _run("all_gather_replicated", x, group, lambda b: b.all_gather(x, d))
 
 
+def _all_reduce_inplace(x: torch.Tensor, group: str) -> torch.Tensor:
+    """torch.ops.tpcompile.all_reduce.inplace (shard()'s in-place communication pass) without the dispatch."""
+    return _run("all_reduce", x, group, lambda b: _sum_into(b, x))
+
+
 _DIRECT: dict[Any, Callable] = {torch.ops.tpcompile.all_reduce.default: _all_reduce,
+                                torch.ops.tpcompile.all_reduce.inplace: _all_reduce_inplace,
                                 torch.ops.tpcompile.all_gather_replicated.default: _all_gather_replicated}
 
 

@@ -2,13 +2,15 @@
 
 Every rank holds the same logits (the head's vocabulary shards are gathered once per step), so
 each rank picks the same token by itself: greedy is an argmax, and sampling draws from a
-generator seeded alike on every rank. Sampling applies temperature, then top-k, then top-p
-(HF's order of logits warpers), then draws one token per row with torch.multinomial.
+generator seeded alike on every rank. A Hugging Face model's logits go through the processors its
+generate would apply (generate/processors.py: penalties, suppressions, and when sampling its
+warpers), then a softmax and one draw per row with torch.multinomial. The bundled GPT, which has
+no generation config, applies temperature, then top-k, then top-p (HF's order of warpers).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -20,13 +22,16 @@ class Sampling:
     """How to choose: greedy (do_sample=False) or sampled with these warpers."""
 
     do_sample: bool = False
-    temperature: float = 1.0
+    temperature: Optional[float] = 1.0  # None (as top_k, top_p): the model's generation_config, else no change
     top_k: Optional[int] = None
     top_p: Optional[float] = None
+    processors: Any = None  # a transformers LogitsProcessorList (warpers included): replaces the three above
 
     def check(self) -> "Sampling":
         """Values generate accepts, else a TPCompileError naming the argument."""
-        if self.do_sample and not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
+        if self.do_sample and self.temperature is not None and not (
+                isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
+                and self.temperature > 0):
             raise TPCompileError(f"temperature must be a number > 0, got {self.temperature!r}; use do_sample=False "
                                  f"for greedy decoding")
         if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
@@ -37,12 +42,20 @@ class Sampling:
         return self
 
 
-def next_tokens(logits: torch.Tensor, how: Sampling, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """(B, vocab) logits -> (B,) token ids."""
+def next_tokens(logits: torch.Tensor, how: Sampling, generator: Optional[torch.Generator],
+                sequence: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(B, vocab) logits -> (B,) token ids; `sequence` (B, tokens so far) is what the processors read."""
     scores = logits.float()  # generate picks in float32 whatever the model's dtype
+    if how.processors is not None:
+        if len(how.processors):
+            scores = how.processors(sequence, scores)
+        if not how.do_sample:
+            return scores.argmax(dim=-1)
+        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1, generator=generator).squeeze(1)
     if not how.do_sample:
         return scores.argmax(dim=-1)
-    scores = scores / how.temperature
+    if how.temperature is not None:
+        scores = scores / how.temperature
     if how.top_k is not None and how.top_k < scores.shape[-1]:
         kth = torch.topk(scores, how.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
