@@ -249,7 +249,8 @@ def test_warnings_for_fixed_sizes_say_whose_size_it_is() -> None:
         warn_fixed((FixedDim("ids", 0, 0, 1, "the example has size 1 there"),), (torch.zeros(1, 8),), {},
                    build("mlp"))
     code, one = (str(w.message) for w in caught)
-    assert "size 2 or more" not in code and "shard with the size you will run" in code
+    assert "size 2 or more" not in code and "change the code that needs it" in code
+    assert "capture and shard the model again for each other size" in code
     assert "size 2 or more" in one
 
 

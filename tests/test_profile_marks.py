@@ -3,14 +3,23 @@ from __future__ import annotations
 
 import functools
 import linecache
+import warnings
+from collections import Counter
+from typing import Optional
 
+import pytest
 import torch
+import torch.nn.functional as F
+from conftest import max_diff
+from torch import nn
 
 import tpcompile
 from tpcompile.models import GPT, GPTConfig
 from tpcompile.ops.schedule import collective_op
-from tpcompile.runtime.profiler_marks import (BLOCK, enter_collective, install, instrumented_graph, node_blocks,
-                                              repeated_layers)
+from tpcompile.runtime import profiler_marks
+from tpcompile.runtime.profiler_marks import (BLOCK, COLLECTIVE, enter_collective, install, instrumented_graph,
+                                              node_blocks, repeated_layers)
+from tpcompile.runtime.shape_cache import install_reshard, share_tensors
 
 LAYERS = ["transformer.h.0", "transformer.h.1"]
 
@@ -77,3 +86,51 @@ def test_failure_lines_name_the_original_node() -> None:
             assert collective_op(node) == "all_reduce", node.format_node()
     finally:
         done.undo()
+
+
+class LengthMLP(nn.Module):
+    """A column-then-row MLP plus a per-position table built in Python (it fixes dim 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 32), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        table = torch.tensor([float(t) for t in range(x.shape[1])])
+        return self.down(F.relu(self.up(x))) + table[:, None]
+
+
+@pytest.mark.parametrize("comm", [None, False])
+def test_a_rank_modules_shape_dispatch_is_kept_and_runs_the_regions(monkeypatch: pytest.MonkeyPatch,
+                                                                     comm: Optional[bool]) -> None:
+    """On rank modules that re-shard refused shapes, install fills the dispatch's graph_forward and instruments the
+    captures made so far; both lengths equal the model with every all-reduce in a region; undo puts all back."""
+    torch.manual_seed(0)
+    model = LengthMLP().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tpcompile.TPCompileWarning)
+        sm = tpcompile.shard(model, 2, example_inputs=(torch.randn(2, 4, 8),), comm=comm)
+    ranks = [sm.rank(r) for r in range(2)]
+    for r, gm in enumerate(ranks):  # as tpcompile.parallelize leaves its rank module
+        install_reshard(gm, sm.shapes, r, lambda new, i: share_tensors(new.rank(i), ranks[i], sm.shapes.names))
+    dispatch = [gm.__dict__["forward"] for gm in ranks]
+    regions: list[str] = []
+    enter = profiler_marks._enter
+    monkeypatch.setattr(profiler_marks, "_enter", lambda name, args: regions.append(name) or enter(name, args))
+    short, long = torch.randn(3, 4, 8), torch.randn(3, 6, 8)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", tpcompile.TPCompileWarning)
+        tpcompile.simulate_ranks(2, lambda r: ranks[r](long))  # the capture for length 6, made before the profile
+        others = [d.graphs()[0] for d in dispatch]
+        done = [install(gm) for gm in ranks]
+        filled = [d.graph_forward is not None for d in dispatch] + ["forward" in g.__dict__ for g in others]
+        outs = [tpcompile.simulate_ranks(2, lambda r: ranks[r](x)) for x in (short, long)]
+        for d in done:
+            d.undo()
+        expected = [model(x) for x in (short, long)]
+    assert all(filled) and all(d.skipped == 0 for d in done)
+    assert all(gm.__dict__["forward"] is d and d.graph_forward is None for gm, d in zip(ranks, dispatch))
+    assert all("forward" not in g.__dict__ for g in others) and sm.shapes.reshards == 1
+    assert all(max_diff(o, e) < 1e-5 for o, e in zip(outs, expected))
+    calls = Counter(n.split(" (")[0] for n in regions if n.startswith(COLLECTIVE))  # 2 ranks x 2 lengths each
+    assert calls == {COLLECTIVE + "grad_all_reduce @ up": 4, COLLECTIVE + "all_reduce @ down": 4}

@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "troubleshooting.md"
 SOURCES = ["tpcompile/runtime", "tpcompile/checkpoint", "tpcompile/hybrid", "tpcompile/ops/guards.py"]
 WORDS = 6  # how many of a message's fixed leading words the page must hold
+RAISED = ("TPCompileError", "InputShapeError")  # the error classes whose messages are read (the guards' subclass)
 EDGES = " \t\n:;,.()'\""  # punctuation a run of fixed words is cut at (where the values sat)
 # Messages with no run of three fixed words: nothing to search the page by (file: the function raising it, why).
 EXCLUDED = {
@@ -73,7 +74,7 @@ def messages() -> list[tuple[str, str, Optional[str]]]:
         for fn in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
             for node in ast.walk(fn):
                 call = node.exc if isinstance(node, ast.Raise) else None
-                if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "TPCompileError" and call.args:
+                if isinstance(call, ast.Call) and getattr(call.func, "id", None) in RAISED and call.args:
                     out.append((str(path.relative_to(ROOT)), fn.name, _leading_words(call.args[0], fn, defs)))
     return sorted(set(out), key=lambda m: (m[0], m[1], m[2] or ""))
 

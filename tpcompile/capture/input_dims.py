@@ -5,7 +5,8 @@ torch.export makes every input dim marked Dim.AUTO dynamic unless it cannot: an 
 a check against a weight's size) fixes it too. A fixed dim means the rank graphs accept only
 that size, so shard() warns about the ones a user would expect to vary (sizes 0 and 1, any dim
 of an integer input such as token ids, the leading dims of a float input unless a weight has
-that size), and every fixed dim gets a run-time check that names it (ops/guards.InputGuard).
+that size), and every fixed dim gets a run-time check that names it (ops/guards.InputGuard); where users
+call rank graphs, a size the check refuses is captured again (runtime/shape_cache.py).
 """
 from __future__ import annotations
 
@@ -54,11 +55,13 @@ def warn_fixed(fixed: tuple[FixedDim, ...], args: tuple, kwargs: dict, model: nn
             # a size of 0 or 1 is export's choice; any other size is the code's, and another example only moves it
             advice = ("If it should vary, shard with an example of size 2 or more in that dim (and different from "
                       "the other dims' sizes)" if f.size in (0, 1) else
-                      "Another example size would be fixed the same way: shard with the size you will run (one "
-                      "capture per size), or change the code that needs it")
+                      "Another example size would be fixed the same way; to run without a capture per size, "
+                      "change the code that needs it")
             warnings.warn(
                 f"{type(model).__name__}: input {f.input!r} dim {f.dim} is fixed at {f.size} ({f.cause}); the "
-                f"sharded ranks accept only that size there. {advice}", TPCompileWarning, stacklevel=4)
+                f"rank graphs take only that size there, and tpcompile.simulate and tpcompile.parallelize capture "
+                f"and shard the model again for each other size at its first call (docs/runtime.md, 'Other input "
+                f"shapes'). {advice}", TPCompileWarning, stacklevel=4)
 
 
 def _surprising(f: FixedDim, example: torch.Tensor, weight_sizes: set[int]) -> bool:

@@ -4,7 +4,9 @@
 call's autocast state with the one the model was captured under, and each input dim the
 capture fixed with the size it was fixed at, raising a TPCompileError that names the input,
 the dim, the sizes and the way out. `ExportGuards` wraps torch.export's own guard module so
-its failures read as TPCompileErrors too. `check_token_ids` is the vocabulary-parallel
+its failures read as TPCompileErrors too. Both raise `InputShapeError` for a shape the capture did not
+take (before any collective runs), which the entry points that re-shard per shape catch
+(runtime/shape_cache.py). `check_token_ids` is the vocabulary-parallel
 embedding's check (the original's lookup raises on such ids; each rank holds only a slice of
 the rows, so without it an id past the vocabulary would read as a zero row): a TPCompileError on
 CPU, `torch._assert_async` on other devices and inside torch.compile (no host sync, no
@@ -45,6 +47,13 @@ class FixedDim:
     cause: str
 
 
+class InputShapeError(TPCompileError):
+    """The inputs' shapes break a condition the capture assumed (a fixed dim, one of torch.export's guards).
+
+    Raised by a rank graph's guards before it computes, so nothing ran; a capture at these shapes may take them.
+    """
+
+
 class InputGuard(nn.Module):
     """Checks each call against what the capture assumed (autocast state, fixed input dims)."""
 
@@ -64,10 +73,12 @@ class InputGuard(nn.Module):
         for f in self.fixed:
             x = inputs[f.index] if f.index < len(inputs) else None
             if isinstance(x, torch.Tensor) and f.dim < x.dim() and _concrete(x.shape[f.dim]) not in (None, f.size):
-                raise TPCompileError(
+                raise InputShapeError(
                     f"input {f.input!r} has size {int(x.shape[f.dim])} in dim {f.dim}, but the capture fixed that dim "
                     f"at {f.size} ({f.cause}); shard with example inputs whose dim {f.dim} of {f.input!r} is the size "
-                    f"you run with, or a size of 2 or more so that it stays dynamic")
+                    f"you run with, or a size of 2 or more so that it stays dynamic; or call the ranks through "
+                    f"tpcompile.simulate, tpcompile.parallelize or sm.shapes.sharded_for(*inputs), which capture "
+                    f"again for a new size")
 
 
 def _concrete(size: Any) -> Optional[int]:
@@ -86,9 +97,11 @@ class ExportGuards(nn.Module):
         try:
             return self.guards(*inputs)
         except AssertionError as e:
-            raise TPCompileError(
+            raise InputShapeError(
                 f"the inputs break a condition the capture assumed ({e}); shard with example inputs shaped like "
-                f"the ones you run with (sizes of 2 or more stay dynamic)") from e
+                f"the ones you run with (sizes of 2 or more stay dynamic), or call the ranks through "
+                f"tpcompile.simulate, tpcompile.parallelize or sm.shapes.sharded_for(*inputs), which capture again "
+                f"for a new shape") from e
 
 
 def check_token_ids(ids: torch.Tensor, vocab: int, where: str) -> torch.Tensor:

@@ -21,6 +21,7 @@ from tpcompile.passes.recompute import checkpoint_blocks, checkpoint_selective, 
 from tpcompile.runtime.agreement import agree_program, agree_state
 from tpcompile.runtime.fingerprint import graph_lines, plan_lines
 from tpcompile.runtime.input_check import InputCheck, check_inputs_mode
+from tpcompile.runtime.shape_cache import check_max_shapes, install_reshard, share_tensors
 from tpcompile.runtime.startup_check import schedule
 
 __all__ = ["parallelize", "default_device"]
@@ -41,7 +42,8 @@ def parallelize(model: nn.Module, *, example_inputs: Any = (), example_kwargs: O
                 device: Union[str, torch.device, None] = None, check: bool = True,
                 plan: Optional[dict] = None, sequence_parallel: bool = False,
                 dynamic_shapes: Any = None, comm: Any = None, mixed_precision: Optional[str] = None,
-                activation_checkpointing: Union[bool, str] = False, check_inputs: str = "first") -> GraphModule:
+                activation_checkpointing: Union[bool, str] = False, check_inputs: str = "first",
+                max_shapes: Optional[int] = None) -> GraphModule:
     """Shard `model` over `group` (default: every process) and return this rank's GraphModule.
 
     Call it on every rank of an initialised process group. A model built under
@@ -60,6 +62,9 @@ def parallelize(model: nn.Module, *, example_inputs: Any = (), example_kwargs: O
     passes/mixed_precision.py); with "fp16" scale the loss (tpcompile.runtime.loss_scale.LossScaler).
     `activation_checkpointing`: True or "blocks" recomputes each of the model's repeated blocks in backward,
     "selective" keeps matmul, attention and collective outputs and recomputes the rest (passes/recompute.py).
+    `max_shapes`: a call at a shape the rank graph's guards refuse (a dim the model's code fixed) is captured
+    and sharded again for it on every rank, agreed like the first and sharing its weights; at most this many
+    such captures are kept (default 8, TPCOMPILE_MAX_SHAPES; 0: the guard's error instead), runtime/shape_cache.py.
     `gm.meta["tpcompile"]` and `gm.meta["tpcompile_rank"]` keep the ShardedModel and the
     rank, which tpcompile.dcp.save/load read.
     """
@@ -75,6 +80,7 @@ def parallelize(model: nn.Module, *, example_inputs: Any = (), example_kwargs: O
         raise TPCompileError("the model is on the meta device, so parallelize needs weights= (a state "
                              "dict, .safetensors files, or a directory of them or of a DCP checkpoint)")
     check_inputs_mode(check_inputs)
+    max_shapes = None if max_shapes is None else check_max_shapes(max_shapes)
     compute = compute_dtype(mixed_precision)
     recompute = recompute_mode(activation_checkpointing)
     blocks = find_blocks(model)
@@ -91,17 +97,16 @@ def parallelize(model: nn.Module, *, example_inputs: Any = (), example_kwargs: O
     sm = shard(model, ws, example_inputs=example_inputs, example_kwargs=example_kwargs,
                dynamic_shapes=dynamic_shapes, plan=plan, group="default" if group is None else group,
                sequence_parallel=sequence_parallel, comm=comm)
+    if max_shapes is not None:
+        sm.shapes.max_shapes = max_shapes
     gm = sm.rank(rank)
     if compute is not None:
         float32_masters(gm)
         mixed_precision_pass(gm, compute)
+    options = [f"world_size={ws}", f"sequence_parallel={bool(sequence_parallel)}", f"comm={sm.comm!r}",
+               f"mixed_precision={mixed_precision}", f"activation_checkpointing={recompute}"]
     if check:  # before loading: ranks that disagree learn it without reading any weights
-        fake = [n.meta["val"] for n in sm.captured.graph.nodes if n.op == "placeholder"]
-        options = [f"world_size={ws}", f"sequence_parallel={bool(sequence_parallel)}", f"comm={sm.comm!r}",
-                   f"mixed_precision={mixed_precision}", f"activation_checkpointing={recompute}"]
-        digest = agree_program(graph_lines(sm.captured), plan_lines(sm.plan, sm._ctx.overrides, options),
-                               schedule(gm, fake, group_name=f"group of {ws}"), group, entry=ENTRY)
-        log.info("rank %d of %d: graph, plan and collective schedule %s agree on every rank", rank, ws, digest)
+        _agree(sm, gm, group, options, "captured graph")
     _install_input_check(gm, InputCheck(group, mode=check_inputs, names=_input_names(gm), where=ENTRY))
     if recompute == "blocks":
         checkpoint_blocks(gm, blocks)
@@ -118,7 +123,35 @@ def parallelize(model: nn.Module, *, example_inputs: Any = (), example_kwargs: O
         gm.to(target)
     if not on_meta:  # (the loaders retarget what a meta capture baked in)
         retarget(gm, capture_device, target)
+
+    def again(new: Any, r: int) -> None:
+        """A capture for another input shape, made like the first: cast, agreed, its weights, checkpointed, moved."""
+        g = new.rank(r)
+        if compute is not None:
+            float32_masters(g)
+            mixed_precision_pass(g, compute)
+        if check:  # every rank re-shards at the same call: the new graph is agreed before it computes
+            _agree(new, g, group, options, "capture for a new input shape")
+        share_tensors(g, gm, sm.shapes.names)
+        if recompute == "blocks":
+            checkpoint_blocks(g, blocks)
+        elif recompute == "selective":
+            checkpoint_selective(g)
+        g.to(target)  # what it holds beyond the shared weights: constants the capture lifted
+        retarget(g, capture_device, target)
+        g.meta["tpcompile"], g.meta["tpcompile_rank"] = new, r
+    install_reshard(gm, sm.shapes, rank, again)
     return gm
+
+
+def _agree(sm: Any, gm: GraphModule, group: Any, options: list[str], label: str) -> None:
+    """The startup agreement's second exchange: the captured graph, the plan and gm's collective schedule."""
+    ws = sm.world_size
+    fake = [n.meta["val"] for n in sm.captured.graph.nodes if n.op == "placeholder"]
+    digest = agree_program(graph_lines(sm.captured), plan_lines(sm.plan, sm.overrides, options),
+                           schedule(gm, fake, group_name=f"group of {ws}"), group, entry=ENTRY, graph_label=label)
+    log.info("rank %d of %d: %s, plan and collective schedule %s agree on every rank", dist.get_rank(group), ws,
+             label, digest)
 
 
 def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -6,7 +6,9 @@ runs between `torch.ops.profiler._record_function_enter_new` and `_record_functi
 so does each collective node, under a name that carries its op, module path, node and bytes. The
 copy's code becomes the module's `forward` (an instance attribute, removed again by the function
 `install` returns), reading the module's own tensors, so FSDP's and DDP's hooks and parameter
-swaps still apply; the module's graph is left as it was.
+swaps still apply; the module's graph is left as it was. A rank module from `tpcompile.parallelize`
+already has an instance `forward` (the dispatch of refused input shapes, runtime/shape_cache.py):
+the copy's code goes into that dispatch's `graph_forward` instead, and comes out of it again.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from torch.utils import _pytree as pytree
 from tpcompile.passes.pass_context import module_path
 
 __all__ = ["BLOCK", "COLLECTIVE", "PIPELINE", "REGION", "STEP", "Installed", "install", "instrumented_graph",
-           "node_blocks", "parse_collective", "repeated_layers"]
+           "graph_slot", "node_blocks", "parse_collective", "repeated_layers"]
 
 BLOCK = "tpcompile.block "  # + the block's name
 COLLECTIVE = "tpcompile.collective "  # + 'op @ module (node) [bytes B]'
@@ -185,9 +187,19 @@ def _forward_of(graph: fx.Graph, origin: dict[Node, Node], module: GraphModule) 
     return types.MethodType(_forward_from_src(code.src, code.globals), module), lines
 
 
+def graph_slot(gm: Any) -> Any:
+    """gm's instance-level forward when it runs gm's own graph through a settable `graph_forward` (a rank
+    module's re-sharding dispatch, runtime/shape_cache.py), else None."""
+    forward = getattr(gm, "__dict__", {}).get("forward")
+    return forward if forward is not None and hasattr(forward, "graph_forward") else None
+
+
 def graph_modules(root: Any) -> list[GraphModule]:
     """The GraphModules a rank module or a HybridModel runs (each stage, and the blocks inside it)."""
     tops = list(root.stages.values()) if hasattr(root, "stages") else [root]
+    for top in list(tops):  # a rank module's captures for other input shapes, made so far
+        slot = graph_slot(top)
+        tops.extend(slot.graphs() if slot is not None and hasattr(slot, "graphs") else ())
     seen: dict[int, GraphModule] = {}
     for top in tops:
         for m in top.modules():
@@ -243,18 +255,25 @@ def _pipeline_waits() -> Callable[[], None]:
 def install(root: Any, layers: Optional[Sequence[str]] = None) -> Installed:
     """Give every GraphModule of `root` its instrumented forward.
 
-    A module whose forward is already an instance attribute (a block under activation
-    checkpointing wraps its forward so) keeps it: its time counts, its collectives go unnamed.
+    A rank module whose forward dispatches calls at other input shapes (graph_slot) keeps that
+    dispatch and runs the instrumented code for its own graph; captures it makes inside the block
+    run uninstrumented. Any other module whose forward is already an instance attribute (a block
+    under activation checkpointing wraps its forward so) keeps it: its time counts, its
+    collectives go unnamed.
     """
     gms = graph_modules(root)
     if layers is None:
         layers = repeated_layers(gm.graph for gm in gms)
-    mine = [gm for gm in gms if "forward" not in gm.__dict__]
+    mine = [gm for gm in gms if "forward" not in gm.__dict__ or graph_slot(gm) is not None]
     ids = {id(gm) for gm in mine}
-    forwards = [(gm, *_forward_of(*instrumented_graph(gm, layers, ids), gm), gm.__dict__.get("_lineno_map"))
-                for gm in mine]
-    for gm, fwd, lines, _ in forwards:
-        gm.forward = fwd
+    forwards = [(gm, *_forward_of(*instrumented_graph(gm, layers, ids), gm), gm.__dict__.get("_lineno_map"),
+                 graph_slot(gm)) for gm in mine]
+    kept = [slot.graph_forward if slot is not None else None for *_, slot in forwards]
+    for gm, fwd, lines, _, slot in forwards:
+        if slot is not None:
+            slot.graph_forward = fwd
+        else:
+            gm.forward = fwd
         gm._lineno_map = lines
     # a HybridModel's stages wait for each other inside torch's schedule, out of every graph: the bubble
     unwait = _pipeline_waits() if hasattr(root, "stages") else (lambda: None)
@@ -262,8 +281,11 @@ def install(root: Any, layers: Optional[Sequence[str]] = None) -> Installed:
     def undo() -> None:
         """Give every module its own forward (and line map) back."""
         unwait()
-        for gm, fwd, _, lines in forwards:
-            if gm.__dict__.get("forward") is fwd:
+        for (gm, fwd, _, lines, slot), before in zip(forwards, kept):
+            if slot is not None and slot.graph_forward is fwd:
+                slot.graph_forward = before
+                gm._lineno_map = lines
+            elif slot is None and gm.__dict__.get("forward") is fwd:
                 del gm.__dict__["forward"]
                 gm._lineno_map = lines
 

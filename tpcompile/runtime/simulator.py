@@ -19,6 +19,7 @@ import torch
 from tpcompile.errors import TPCompileError
 from tpcompile.ops.schedule import CollectiveCall
 from tpcompile.runtime.backends import register_resolver
+from tpcompile.runtime.shape_cache import rank_graphs_for
 
 __all__ = ["SimulatedRank", "current_rank", "simulate", "simulate_ranks"]
 
@@ -207,6 +208,9 @@ def simulate_ranks(world_size: int, fn: Callable[[int], Any], *,
 
 
 def simulate(sharded: Any, *args: Any, **kwargs: Any) -> list:
-    """Run every rank's module of a ShardedModel on (args, kwargs) and return per-rank outputs."""
-    ranks = [sharded.rank(r) for r in range(sharded.world_size)]  # built here, not on the rank threads
+    """Run every rank's module of a ShardedModel on (args, kwargs) and return per-rank outputs.
+
+    Inputs whose shape the rank graphs' guards refuse run on a capture for that shape (runtime/shape_cache.py).
+    """
+    ranks = rank_graphs_for(sharded, args, kwargs)  # built here, not on the rank threads; re-sharded for a new shape
     return simulate_ranks(sharded.world_size, lambda r: ranks[r](*args, **kwargs))
