@@ -7,7 +7,7 @@
     verify       passes/verify_plan.verify_pass       the slices tile every split parameter
     plan         passes/plan.build_plan               ShardedModel.plan
     rewrite(r)   passes/rewrite.rewrite_pass          rank r's GraphModule (on first use)
-    comm(r)      passes/comm_*.py                     with comm=: in-place and async all-reduces, gradient buckets
+    comm(r)      passes/comm_*.py                     by default in-place all-reduces, gradient buckets; opt-in async
     verify(r)    passes/verify_ranks.verify_rank      lint, planned shapes, rank 0's collectives
     lower(r)     passes/comm_lower.lower_pass         with comm=CommOptions(lower_c10d=True): _c10d_functional ops
 
@@ -41,7 +41,9 @@ from tpcompile.passes.propagate import propagate_pass
 from tpcompile.passes.rewrite import rewrite_graph, rewrite_pass
 from tpcompile.passes.verify_plan import verify_pass
 from tpcompile.passes.verify_ranks import verify_rank
+from tpcompile.placement import ParamSlice
 from tpcompile.runtime.backends import register_group
+from tpcompile.runtime.shape_cache import ShapeCache
 
 log = logging.getLogger("tpcompile")
 
@@ -57,8 +59,9 @@ def shard(model: nn.Module, world_size: int, *, example_inputs: Any = (), exampl
     `group` is the torch.distributed ProcessGroup the ranks' collectives use (default: the
     default group), or the key of one given to `tpcompile.ops.collectives.register_group`.
 
-    `comm` (True or a `CommOptions`) runs the communication passes on every rank graph
-    (docs/communication.md); the default None leaves the collectives as rewrite emits them.
+    `comm` picks the communication passes run on every rank graph (docs/communication.md): the
+    default None runs the proven ones (in-place all-reduces, gradient buckets: `CommOptions()`, as
+    True does), False none (the collectives as rewrite emits them), a `CommOptions` exactly its own.
     """
     _check_world_size(world_size)
     start = time.perf_counter()
@@ -66,6 +69,9 @@ def shard(model: nn.Module, world_size: int, *, example_inputs: Any = (), exampl
     captured = time.perf_counter()
     sm = shard_captured(cap, world_size, plan=plan, group=group, sequence_parallel=sequence_parallel, comm=comm)
     sm.timings.update(capture_s=captured - start, passes_s=time.perf_counter() - captured)
+    sm.shapes = ShapeCache(sm, model, lambda args, kwargs: shard_captured(  # shapes the guards refuse: this again
+        capture(model, args, kwargs, dynamic_shapes), world_size, plan=plan, group=group,  # (runtime/shape_cache.py)
+        sequence_parallel=sequence_parallel, comm=comm))
     return sm
 
 
@@ -98,6 +104,7 @@ class ShardedModel:
         self._reference: Optional[list] = None
         self._lock = threading.Lock()
         self.comm: Optional[CommOptions] = None  # the communication passes run on each rank graph
+        self.shapes: Optional[ShapeCache] = None  # shard()'s: a capture per input shape the guards refuse
 
     def rank(self, r: int) -> GraphModule:
         """Rank r's GraphModule: the model's arguments in, the model's output structure out."""
@@ -147,6 +154,37 @@ class ShardedModel:
         ops = ((collective_op(n), n) for n in self.rank(0).graph.nodes)
         return [(op, module_path(n)) for op, n in ops
                 if op is not None and (op in FORWARD_COLLECTIVES or not forward_only)]
+
+    # The public surface the neighbouring packages (checkpoint/, hybrid/, generate/, strategy/, runtime/) read.
+    @property
+    def group(self) -> str:
+        """The collectives' group key the rank graphs were built for."""
+        return self._ctx.group
+
+    @property
+    def overrides(self) -> dict[str, str]:
+        """The user's per-module overrides (module path -> replicate | sharded_output | auto), as applied."""
+        return dict(self._ctx.overrides)
+
+    def state_names(self) -> list[str]:
+        """The names of every parameter and buffer the captured graph reads, tied aliases each listed."""
+        return list(self._ctx.tensors)
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        """The unsharded shape of the parameter or buffer `name`."""
+        return tuple(self._ctx.tensors[name].shape)
+
+    def slice_for(self, name: str) -> Optional[ParamSlice]:
+        """How the parameter or buffer `name` is cut across the ranks (None: whole on every rank)."""
+        return self._ctx.slice_for(name)
+
+    def aliases(self, name: str) -> list[str]:
+        """Every name of the tensor called `name` (tied parameters have several), itself included."""
+        return self._ctx.aliases(name)
+
+    def rank_graph(self, r: int) -> Any:
+        """Rank r's graph as rewrite and the communication passes leave it, before verification and lowering."""
+        return self._comm(rewrite_graph(self.captured, self._ctx, r))
 
     def merge_state_dicts(self, states: list[dict], *, strict: bool = True) -> dict:
         """The original model's state dict, put together from every rank's `state_dict()`."""

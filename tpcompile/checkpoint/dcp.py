@@ -149,15 +149,15 @@ def rank_state(gm: GraphModule, sharded: Any = None, rank: Optional[int] = None)
 
 def _rank_values(gm: GraphModule, sharded: Any, rank: int) -> dict[str, Any]:
     """Every tensor of a rank module as a DCP value, keyed by the original model's names."""
-    ctx, ws = sharded._ctx, sharded.world_size
+    ws = sharded.world_size
     state: dict[str, Any] = {}
     for name, t in gm.state_dict(keep_vars=True).items():
         t = t.detach()  # loads write into these views in place
-        sl = ctx.slice_for(name)
+        sl = sharded.slice_for(name)
         if sl is None:
             state[name] = t
         else:
-            full = tuple(ctx.tensors[name].shape)
+            full = sharded.full_shape(name)
             state[name] = RankChunks(t, full, sl.dim, rank_pieces(sl, full[sl.dim], rank, ws))
     return state
 

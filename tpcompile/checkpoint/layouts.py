@@ -55,10 +55,10 @@ def param_layouts(model: Any, sharded: Any = None, rank: Optional[int] = None) -
         return [ParamLayout(name, p, tuple(p.shape), _whole, tuple(names[id(p)][1:]))
                 for name, p in model.named_parameters()]
     sharded, rank = resolve(model, sharded, rank)
-    ctx, ws = sharded._ctx, sharded.world_size
+    ws = sharded.world_size
     out = []
     for name, p in model.named_parameters():
-        sl, full = ctx.slice_for(name), tuple(ctx.tensors[name].shape)
+        sl, full = sharded.slice_for(name), sharded.full_shape(name)
         chunks = _whole if sl is None else functools.partial(
             _sliced, full=full, dim=sl.dim, pieces=rank_pieces(sl, full[sl.dim], rank, ws))
         out.append(ParamLayout(name, p, full, chunks, tuple(names[id(p)][1:])))

@@ -33,6 +33,6 @@ def merge_state_dicts(sharded: Any, states: list[dict], *, strict: bool = True) 
             if strict:
                 raise TPCompileError(f"state dict of rank {missing[0]} has no {name!r}; pass strict=False to skip it")
             continue
-        sl: Optional[Any] = sharded._ctx.slice_for(name)
+        sl: Optional[Any] = sharded.slice_for(name)
         merged[name] = merge_slices([s[name] for s in states], sl, full.shape[sl.dim] if sl else 0, ws)
     return merged

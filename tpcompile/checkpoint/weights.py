@@ -149,15 +149,15 @@ def load_rank_weights(gm: GraphModule, sharded: Any, rank: int, weights: Weights
     unless it is on the meta device, which is an error naming it.
     """
     src = open_weights(weights)
-    ctx, ws = sharded._ctx, sharded.world_size
+    ws = sharded.world_size
     device = torch.device(device) if device is not None else _default_device(gm)
 
     def make(name: str, old: torch.Tensor) -> Optional[torch.Tensor]:
-        key = next((a for a in [name, *ctx.aliases(name)] if a in src), None)
+        key = next((a for a in [name, *sharded.aliases(name)] if a in src), None)
         if key is None:
             return None if old.is_meta else old.detach().to(device)
         with torch.no_grad():
-            return _local(src, key, old, tuple(ctx.tensors[name].shape), ctx.slice_for(name), rank, ws, device)
+            return _local(src, key, old, sharded.full_shape(name), sharded.slice_for(name), rank, ws, device)
 
     missing = _rebuild(gm, device, make)
     if missing:

@@ -91,9 +91,9 @@ def _shard_pieces(pieces: list[Piece], cap: Captured, state_names: set[str], tp:
         sm = shard_captured(Captured(piece.gm, f"{cap.model_name}:{piece.name}", (), {}, cap.module_paths),
                             tp, plan=plan, group=group, sequence_parallel=sequence_parallel, comm=comm)
         sharded.append(sm)
-        for name, t in sm._ctx.tensors.items():
+        for name in sm.state_names():
             spec = TensorSpec(name, tuple(a for a in aliases.get(name, [name]) if a in state_names),
-                              tuple(t.shape), sm._ctx.slice_for(name))
+                              sm.full_shape(name), sm.slice_for(name))
             old = specs.setdefault(name, spec)
             if old.slice != spec.slice:
                 raise TPCompileError(
@@ -217,7 +217,7 @@ def parallelize_train(model: nn.Module, mesh: DeviceMesh, *, loss_fn: Callable[[
                    f"data_parallel={data_parallel}", f"sequence_parallel={bool(sequence_parallel)}",
                    f"activation_checkpointing={recompute}", f"comm={sharded[0].comm!r}",
                    f"mixed_precision={mixed_precision}"]
-        lines = [line for p, sm in zip(pieces, sharded) for line in plan_lines(sm.plan, sm._ctx.overrides,
+        lines = [line for p, sm in zip(pieces, sharded) for line in plan_lines(sm.plan, sm.overrides,
                                                                                 [f"piece {p.name}"])]
         agree_program(graph, lines + options, None, None, entry=ENTRY)
     by_piece = {id(p): sm for p, sm in zip(pieces, sharded)}

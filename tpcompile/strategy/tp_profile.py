@@ -25,7 +25,6 @@ from tpcompile.api import shard_captured
 from tpcompile.errors import TPCompileWarning
 from tpcompile.ops.schedule import graph_schedule
 from tpcompile.passes.pass_context import module_path
-from tpcompile.passes.rewrite import rewrite_graph
 from tpcompile.placement import Shard
 from tpcompile.strategy import node_costs as nc
 from tpcompile.strategy.profile import CAPTURE_BATCH, ModelProfile
@@ -144,7 +143,7 @@ def tp_profile(profile: ModelProfile, degree: int) -> TPProfile:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TPCompileWarning)
         sm = shard_captured(profile.captured, degree)
-        rank0 = sm._comm(rewrite_graph(sm.captured, sm._ctx, 0))  # the graph sm.rank(0) wraps
+        rank0 = sm.rank_graph(0)  # the graph sm.rank(0) wraps
     units, by_path = _find_units(profile, sm)
     blocks = [BlockTP() for _ in profile.blocks]
     live = nc.input_dependent(sm.captured.graph.nodes)
