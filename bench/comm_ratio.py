@@ -1,13 +1,15 @@
-"""`python -m bench.comm_ratio [--reps N] [--iters K] [--compile]`: tpcompile's communication passes
-against hand-written Megatron at world size 2 on gloo, as ratios measured in one run.
+"""`python -m bench.comm_ratio [--runs R] [--reps N] [--iters K] [--compile]`: tpcompile's communication
+passes against hand-written Megatron at world size 2 on gloo, as ratios measured in R runs.
 
 Cases: the MLP stack and the GPT of bench/workloads.py in forward (no grad), and the training step
 (forward, loss, backward) of the parallel-block model of bench/parallel_block.py. Contenders on each
-rank: the hand-written split, tpcompile with `comm=CommOptions(asynchronous=True)` and tpcompile
-without the communication passes. Each repetition times every contender for K iterations (order
-rotated per repetition, both ranks started together by a barrier, the slower rank's time kept);
-the ratio to hand-written is taken per repetition and the median, a 95% bootstrap interval of the
-median (so a reader can tell a difference from the machine's noise), min and max are reported.
+rank: the hand-written split, tpcompile with its default passes (`comm=None`), with
+`comm=CommOptions(asynchronous=True)` and without the communication passes (`comm=False`). Each
+repetition times every contender for K iterations (order rotated per repetition, both ranks started
+together by a barrier, the slower rank's time kept); the ratio to hand-written is taken per repetition
+and the median, a 95% bootstrap interval of the median (so a reader can tell a difference from the
+machine's noise), min and max are reported per run; each run is a fresh launch of both ranks, and
+the table ends with the median of the runs' medians and the interval of all runs' ratios pooled.
 Outputs are checked against the hand-written ones before timing.
 
 `--compile` instead times torch.compile (inductor) of a lowered rank graph of a 1-block GPT, forward
@@ -41,7 +43,11 @@ from bench.workloads import gpt_workload, mlp_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "communication.md"
-CONTENDERS = ("hand-written", "tpcompile", "tpcompile, comm off")
+# contender -> shard()'s comm= (hand-written has none)
+COMMS = {"hand-written": None, "tpcompile, default comm (comm=None)": None,
+         "tpcompile, comm=CommOptions(asynchronous=True)": tpcompile.CommOptions(asynchronous=True),
+         "tpcompile, comm=False": False}
+CONTENDERS = tuple(COMMS)
 
 
 def _case(name: str) -> tuple[torch.nn.Module, tuple, Callable, type, bool, str]:
@@ -87,12 +93,11 @@ def _rank(rank: int, reps: int, iters: int) -> dict:
     results = {}
     for name in CASES:
         model, inputs, loss, hand_cls, train, describe = _case(name)
+        modules = {"hand-written": hand_cls(model, rank, 2)}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", tpcompile.TPCompileWarning)
-            fast = tpcompile.shard(copy.deepcopy(model), 2, example_inputs=inputs,
-                                   comm=tpcompile.CommOptions(asynchronous=True)).rank(rank)
-            plain = tpcompile.shard(copy.deepcopy(model), 2, example_inputs=inputs).rank(rank)
-        modules = {"hand-written": hand_cls(model, rank, 2), "tpcompile": fast, "tpcompile, comm off": plain}
+            for k in CONTENDERS[1:]:
+                modules[k] = tpcompile.shard(copy.deepcopy(model), 2, example_inputs=inputs, comm=COMMS[k]).rank(rank)
         steps = {k: _step(m, inputs, loss, train) for k, m in modules.items()}
         ref = steps["hand-written"]().detach()
         diffs = {k: float((s().detach() - ref).abs().max()) for k, s in steps.items()}
@@ -100,7 +105,7 @@ def _rank(rank: int, reps: int, iters: int) -> dict:
             s()
         times: dict[str, list[float]] = {k: [] for k in steps}
         for rep in range(reps):
-            order = CONTENDERS[rep % 3:] + CONTENDERS[:rep % 3]
+            order = CONTENDERS[rep % len(CONTENDERS):] + CONTENDERS[:rep % len(CONTENDERS)]
             for k in order:
                 dist.barrier()
                 start = time.perf_counter()
@@ -118,15 +123,58 @@ def median_interval(values: list[float], resamples: int = 2000, seed: int = 0) -
     return meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]
 
 
+def _ratios(times: dict[str, list[float]], k: str) -> list[float]:
+    """Contender k's time over hand-written's, per repetition, sorted."""
+    return sorted(t / h for t, h in zip(times[k], times["hand-written"]))
+
+
 def _summary(times: dict[str, list[float]]) -> dict:
-    hand = times["hand-written"]
     out = {}
     for k in CONTENDERS[1:]:
-        ratios = sorted(t / h for t, h in zip(times[k], hand))
+        ratios = _ratios(times, k)
         out[k] = {"median": statistics.median(ratios), "ci95": median_interval(ratios),
                   "min": ratios[0], "max": ratios[-1]}
-    out["hand-written ms"] = 1e3 * statistics.median(hand)
+    out["hand-written ms"] = 1e3 * statistics.median(times["hand-written"])
     return out
+
+
+def _pooled(runs: list[dict], name: str) -> dict:
+    """Across runs: the median of the runs' medians, and median and interval of every run's ratios pooled."""
+    out = {}
+    for k in CONTENDERS[1:]:
+        ratios = sorted(x for run in runs for x in _ratios(run[name]["times"], k))
+        out[k] = {"median_of_runs": statistics.median(statistics.median(_ratios(run[name]["times"], k))
+                                                      for run in runs),
+                  "median": statistics.median(ratios), "ci95": median_interval(ratios),
+                  "min": ratios[0], "max": ratios[-1]}
+    out["hand-written ms"] = statistics.median(1e3 * statistics.median(run[name]["times"]["hand-written"])
+                                               for run in runs)
+    return out
+
+
+def _cell(s: dict) -> str:
+    return f"{s['median']:.3f} [{s['ci95'][0]:.3f}-{s['ci95'][1]:.3f}] ({s['min']:.3f}-{s['max']:.3f})"
+
+
+def ratio_table(runs: list[dict], reps: int, iters: int, loads: list[tuple[float, float]]) -> list[str]:
+    """The markdown the doc keeps: one row per case and run, then each case over all runs."""
+    heads = " | ".join(k for k in CONTENDERS[1:])
+    lines = [f"{len(runs)} runs (each a fresh launch) of {reps} repetitions of {iters} iterations, world size 2, "
+             f"gloo, one thread per rank; time / hand-written time per repetition: median [95% bootstrap "
+             f"interval of the median] (min-max). The machine's 1-minute load average ({os.cpu_count()} cores) "
+             f"before and after each run: " + ", ".join(f"{a:.1f}/{b:.1f}" for a, b in loads) + ".", "",
+             f"| case | run | hand-written (ms) | {heads} | max output diff |",
+             "|---|---|---|" + "---|" * (len(CONTENDERS) - 1) + "---|"]
+    for name in CASES:
+        for i, run in enumerate(runs):
+            s, diff = _summary(run[name]["times"]), max(run[name]["max_diff_vs_hand_written"].values())
+            cells = " | ".join(_cell(s[k]) for k in CONTENDERS[1:])
+            lines.append(f"| {name} | {i + 1} | {s['hand-written ms']:.2f} | {cells} | {diff:.1e} |")
+        p = _pooled(runs, name)
+        cells = " | ".join(f"**{p[k]['median_of_runs']:.3f}**; pooled {_cell(p[k])}" for k in CONTENDERS[1:])
+        lines.append(f"| {name} | median of the {len(runs)} runs' medians; all runs pooled | "
+                     f"{p['hand-written ms']:.2f} | {cells} | |")
+    return lines + [""] + [f"- {name}: {runs[0][name]['describe']}" for name in CASES]
 
 
 def _compile_rank(rank: int) -> dict:
@@ -163,6 +211,7 @@ def _write_doc(marker: str, text: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3, help="fresh launches, each timing every contender")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--compile", action="store_true")
@@ -177,25 +226,17 @@ def main(argv: list[str] | None = None) -> int:
         _write_doc("comm-compile", "\n".join(lines))
         print("\n".join(lines))
         return 0
-    load_before = os.getloadavg()[0]
-    res = launch(2, _rank, args.reps, args.iters, timeout=3000)[0]
-    load_after = os.getloadavg()[0]
-    table = {name: dict(_summary(r["times"]), diff=max(r["max_diff_vs_hand_written"].values()))
-             for name, r in res.items()}
-    (out_dir / "comm.json").write_text(json.dumps({"reps": args.reps, "iters": args.iters, "raw": res,
-                                                   "load_average": [load_before, load_after],
-                                                   "summary": table}, indent=1) + "\n")
-    lines = [f"{args.reps} repetitions of {args.iters} iterations, world size 2, gloo, one thread per rank; "
-             f"time / hand-written time per repetition: median [95% bootstrap interval of the median] "
-             f"(min-max). The machine's 1-minute load "
-             f"average ({os.cpu_count()} cores) was {load_before:.1f} before and {load_after:.1f} after.", "",
-             "| case | hand-written (ms) | tpcompile, comm=CommOptions(asynchronous=True) | tpcompile, no comm passes "
-             "| max output diff |", "|---|---|---|---|---|"]
-    for name, s in table.items():
-        cells = [f"{s[k]['median']:.3f} [{s[k]['ci95'][0]:.3f}-{s[k]['ci95'][1]:.3f}] "
-                 f"({s[k]['min']:.3f}-{s[k]['max']:.3f})" for k in CONTENDERS[1:]]
-        lines.append(f"| {name} | {s['hand-written ms']:.2f} | {cells[0]} | {cells[1]} | {s['diff']:.1e} |")
-    lines += [""] + [f"- {name}: {r['describe']}" for name, r in res.items()]
+    runs, loads = [], []
+    for _ in range(args.runs):
+        load_before = os.getloadavg()[0]
+        runs.append(launch(2, _rank, args.reps, args.iters, timeout=3000)[0])
+        loads.append((load_before, os.getloadavg()[0]))
+    summary = {name: {"runs": [dict(_summary(r[name]["times"]), diff=max(r[name]["max_diff_vs_hand_written"].values()))
+                               for r in runs], "all": _pooled(runs, name)} for name in CASES}
+    (out_dir / "comm.json").write_text(json.dumps({"reps": args.reps, "iters": args.iters, "runs": args.runs,
+                                                   "raw": runs, "load_average": loads, "summary": summary},
+                                                  indent=1) + "\n")
+    lines = ratio_table(runs, args.reps, args.iters, loads)
     _write_doc("comm-ratios", "\n".join(lines))
     print("\n".join(lines))
     return 0

@@ -165,7 +165,8 @@ def render(res: dict[str, Any]) -> str:
               " local q width (DTensor has no CPU SDPA sharding rule, so the heads cannot stay global).",
               "- _tp_transform: `torch.distributed.tensor.experimental._tp_transform.tensor_parallel_transformation`"
               " on `torch.export.export(model)` with the same Linear plan (it handles Linear layers only).",
-              "- tpcompile: `tpcompile.shard(model, world_size)` with no plan, this rank's `sm.rank(r)`.", ""]
+              "- tpcompile: `tpcompile.shard(model, world_size)` with no plan and its default communication passes"
+              " (`comm=None`: in-place all-reduces, gradient buckets), this rank's `sm.rank(r)`.", ""]
     return "\n".join(lines)
 
 

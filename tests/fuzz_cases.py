@@ -17,7 +17,7 @@ from tpcompile.api import shard_captured
 from tpcompile.capture import Captured, capture
 
 
-COMM = {"off": None, "default": True, "async": tpcompile.CommOptions(asynchronous=True)}  # FuzzConfig.comm
+COMM = {"off": False, "default": None, "async": tpcompile.CommOptions(asynchronous=True)}  # FuzzConfig.comm
 
 
 @dataclass

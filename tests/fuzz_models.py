@@ -52,7 +52,7 @@ class FuzzConfig:
     qkv_form: str = "split"  # split | slice (qkv[..., :q]) | per_head (view(B, T, H, 3, D)); fused only
     embed_proj: int = 0  # the embedding's width E when it is projected up to the model width (0: none)
     moe: str = "none"  # none | a tests/moe_models.py layout: the feed-forward is a mixture of experts
-    comm: str = "off"  # off | default (CommOptions()) | async (CommOptions(asynchronous=True)): the comm passes
+    comm: str = "off"  # the comm passes: off (comm=False) | default (comm=None) | async (asynchronous=True)
 
     def short(self) -> str:
         """The config as one line of key=value, for failure reports."""

@@ -102,7 +102,7 @@ def test_dump(model_file: Path, tmp_path: Path) -> None:
     assert (out / "original" / "code.py").read_text() == sm.captured.code.strip() + "\n"
     nodes = (out / "rank0" / "nodes.txt").read_text().splitlines()
     table = {line.split()[0]: line.split() for line in nodes[3:]}
-    assert table["all_reduce_default_1"][1:3] == ["call_function", "tpcompile.all_reduce.default"]
+    assert table["all_reduce_default_1"][1:3] == ["call_function", "tpcompile.all_reduce.inplace"]  # comm=None
     assert table["all_reduce_default_1"][-3:] == ["2x5x16", "float32", "down"]  # shape from the traced forward
     assert table["up_weight"][-3:] == ["32x16", "float32", "up"]  # the rank's slice, not the whole weight
     assert table["linear"][3] == "S(2)"  # the column split's output placement

@@ -93,7 +93,7 @@ def test_start_follows_its_input_and_wait_precedes_the_first_reader() -> None:
 def test_async_schedule_and_numerics_equal_the_synchronous_graph() -> None:
     """Same collectives (the start reads as an all_reduce, the fused linears as the grad_all_reduce they
     replace), same outputs; input and parameter gradients equal up to the order of sums (1e-6)."""
-    plain, x = _shard(None)
+    plain, x = _shard(False)
     fast, _ = _shard(tpcompile.CommOptions(asynchronous=True))
     renamed = {"linears_grad_all_reduce": "grad_all_reduce"}
     assert [renamed.get(c.op, c.op) for c, _ in graph_schedule(fast.rank(0))] == \
@@ -115,7 +115,7 @@ def test_branches_reading_one_input_fuse_their_linears() -> None:
 
 def test_overlapped_input_gradient_is_one_backward_all_reduce() -> None:
     """The fused backward still issues exactly one all-reduce per block for the input gradient."""
-    plain, x = _shard(None)
+    plain, x = _shard(False)
     fast, _ = _shard(tpcompile.CommOptions(asynchronous=True))
     count = lambda events: sum(e[0] == "all_reduce" and e[1] == "backward" for e in events)  # noqa: E731
     assert count(_train(fast, x)[1]) == count(_train(plain, x)[1]) == 2 * 2  # 2 blocks, 2 ranks
@@ -124,7 +124,7 @@ def test_overlapped_input_gradient_is_one_backward_all_reduce() -> None:
 def test_fused_linears_under_autocast_match_the_unfused_graph() -> None:
     """Sharded under bf16 autocast: the fused backward computes in the gradients' precision like linear's."""
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        plain, x = _shard(None)
+        plain, x = _shard(False)
         fast, _ = _shard(tpcompile.CommOptions(asynchronous=True))
         assert any(n.target is LINEARS for n in fast.rank(0).graph.nodes)
         (want, _), (got, _) = _train(plain, x), _train(fast, x)
@@ -158,7 +158,7 @@ def test_a_reader_nothing_reads_is_passed_and_numerics_hold() -> None:
 
     x = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(2))
     shard = {}
-    for key, comm in (("plain", None), ("fast", tpcompile.CommOptions(asynchronous=True))):
+    for key, comm in (("plain", False), ("fast", tpcompile.CommOptions(asynchronous=True))):
         torch.manual_seed(0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", tpcompile.TPCompileWarning)

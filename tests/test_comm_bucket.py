@@ -59,7 +59,7 @@ def test_sequence_parallel_gradient_syncs_do_not_grow_with_blocks(n_layer: int) 
     all-reduce at 1 and at 3 blocks (per parameter it was 6 per block + 2); gradients unchanged."""
     model = _gpt(n_layer)
     ids = model.example_inputs()[0]
-    plain, bucketed = _shard(model, 2, None, sequence_parallel=True), _shard(model, 2, True, sequence_parallel=True)
+    plain, bucketed = _shard(model, 2, False, sequence_parallel=True), _shard(model, 2, True, sequence_parallel=True)
     want, plain_counts = _step(plain, ids)
     got, counts = _step(bucketed, ids)
     _same(got, want)
@@ -89,7 +89,7 @@ def test_bucket_size_splits_in_backward_order() -> None:
     for n in buckets:  # each at most the cap, unless a single parameter is larger
         assert n.meta[META_KEY][1] <= 1024 or len(n.meta[META_KEY][2]) == 1
     got, counts = _step(small, ids)
-    want, _ = _step(_shard(model, 2, None, sequence_parallel=True), ids)
+    want, _ = _step(_shard(model, 2, False, sequence_parallel=True), ids)
     _same(got, want)
     assert counts["all_reduce"] == len(buckets)
 
@@ -114,7 +114,7 @@ def test_shared_kv_head_pieces_are_bucketed() -> None:
         model = transformers.LlamaForCausalLM(config).train()
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
     kw = {"example_kwargs": {"input_ids": ids, "use_cache": False}, "example_inputs": ()}
-    plain = _shard(model, 4, None, **dict(kw))
+    plain = _shard(model, 4, False, **dict(kw))
     bucketed = _shard(model, 4, True, **dict(kw))
     assert plain.plan.parameters["model.layers.0.self_attn.k_proj.weight"].pieces == 2
     want, plain_counts = _step(plain, input_ids=ids, use_cache=False)
@@ -156,7 +156,7 @@ def test_pieces_of_one_fused_weight_split_are_bucketed_in_order() -> None:
         torch.manual_seed(0)
         model = FusedMultiQuery().train()
     x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1))
-    plain, bucketed = _shard(model, 2, None, example_inputs=(x,)), _shard(model, 2, True, example_inputs=(x,))
+    plain, bucketed = _shard(model, 2, False, example_inputs=(x,)), _shard(model, 2, True, example_inputs=(x,))
     assert plain.plan.parameters["qkv.1.weight"].seg_pieces == (2, 1, 1)  # q split, the kv head whole
     (node,) = [n for n in bucketed.rank(0).graph.nodes if n.target is BUCKET]
     assert len(node.args[0]) == 8  # the k and v segments of both blocks' weights and biases
@@ -190,7 +190,7 @@ def test_values_computed_from_parameters_alone_are_bucketed() -> None:
         torch.manual_seed(0)
         model = OnePlusNorm().train()
     x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1))
-    plain, bucketed = (_shard(model, 2, comm, example_inputs=(x,), sequence_parallel=True) for comm in (None, True))
+    plain, bucketed = (_shard(model, 2, comm, example_inputs=(x,), sequence_parallel=True) for comm in (False, True))
     want, plain_counts = _step(plain, x)
     got, counts = _step(bucketed, x)
     _same(got, want, tol=1e-6)

@@ -1,6 +1,7 @@
-"""The communication passes on the Hugging Face architectures of tests/hf_models.py: sharded with
-`CommOptions(asynchronous=True)` (in-place sums, buckets, fused linear gradients, start/wait), every rank's
-no-grad output, training output and parameter gradients equal those of the same split without the passes.
+"""The communication passes on the Hugging Face architectures of tests/hf_models.py: sharded with the default
+passes (`comm=None`: in-place sums, buckets) and with `CommOptions(asynchronous=True)` (those, fused linear
+gradients, start/wait), every rank's no-grad output, training output and parameter gradients equal those of the
+same split without the passes (`comm=False`).
 
 The passes reorder nodes; a real model's graph holds what small test models do not (dtype casts that leave
 assertions nothing reads, splits of fused multi-query weights shared by several bucketed pieces). A few
@@ -41,17 +42,21 @@ def _run(sm: tpcompile.ShardedModel, arch: Arch, kw: dict) -> list:
     return tpcompile.simulate_ranks(sm.world_size, one)
 
 
-def _check(arch: Arch, sequence_parallel: bool) -> None:
+COMMS = {"default": None, "async": tpcompile.CommOptions(asynchronous=True)}  # against comm=False
+
+
+def _check(arch: Arch, sequence_parallel: bool, comm: str = "async") -> None:
     model = build(arch)
     kw = inputs(arch, 2, 8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", tpcompile.TPCompileWarning)
-        plain, fast = (tpcompile.shard(model, 2, example_kwargs=kw, sequence_parallel=sequence_parallel, comm=comm)
-                       for comm in (None, tpcompile.CommOptions(asynchronous=True)))
+        plain, fast = (tpcompile.shard(model, 2, example_kwargs=kw, sequence_parallel=sequence_parallel, comm=c)
+                       for c in (False, COMMS[comm]))
     emitted = {n.target for n in fast.rank(0).graph.nodes} & set(PASSED)
     assert emitted, "the passes changed nothing: nothing to check"
+    assert not {n.target for n in plain.rank(0).graph.nodes} & set(PASSED), "comm=False ran a pass"
     if not sequence_parallel:  # its forward sums are reduce-scatters: no start/wait there
-        assert tp.all_reduce.start in emitted
+        assert (tp.all_reduce.start if comm == "async" else tp.all_reduce.inplace) in emitted
     torch.manual_seed(3)  # the same dropout masks (none in eval mode) and a new batch
     run = inputs(arch, 3, 8)
     for r, (got, want) in enumerate(zip(_run(fast, arch, run), _run(plain, arch, run))):
@@ -64,15 +69,17 @@ def _check(arch: Arch, sequence_parallel: bool) -> None:
                                        msg=lambda m, name=name: f"{where}, gradient of {name}: {m}")
 
 
+@pytest.mark.parametrize("comm", list(COMMS))
 @pytest.mark.parametrize("arch", [a for a in ALL if a.name in FAST], ids=lambda a: a.name)
-def test_comm_passes_equal_the_plain_split(arch: Arch) -> None:
+def test_comm_passes_equal_the_plain_split(arch: Arch, comm: str) -> None:
     """Outputs (no grad and training) and every gradient equal the split without the passes, within 1e-6."""
-    _check(arch, sequence_parallel=False)
+    _check(arch, sequence_parallel=False, comm=comm)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("comm", list(COMMS))
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
 @pytest.mark.parametrize("arch", ALL, ids=lambda a: a.name)
-def test_comm_passes_equal_the_plain_split_slow(arch: Arch, sequence_parallel: bool) -> None:
+def test_comm_passes_equal_the_plain_split_slow(arch: Arch, sequence_parallel: bool, comm: str) -> None:
     """The same for every architecture, with and without sequence parallelism."""
-    _check(arch, sequence_parallel)
+    _check(arch, sequence_parallel, comm)

@@ -13,6 +13,7 @@ from tpcompile.models import build
 from tpcompile.ops import collectives
 from tpcompile.ops.schedule import graph_schedule
 from tpcompile.passes.comm_inplace import inplace_pass
+from tpcompile.passes.comm_options import DEFAULT_COMM, comm_options
 
 aten = torch.ops.aten
 AR = torch.ops.tpcompile.all_reduce
@@ -158,7 +159,7 @@ def _train(sm: tpcompile.ShardedModel, x: torch.Tensor) -> tuple[list, list]:
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 def test_row_split_reductions_run_in_place_with_unchanged_numerics(name: str) -> None:
     """comm=True: every row split's all_reduce is in place; same schedule, collectives, outputs and grads."""
-    plain, fused = _shard(name, None), _shard(name, tpcompile.CommOptions(bucket_bytes=0))
+    plain, fused = _shard(name, False), _shard(name, tpcompile.CommOptions(bucket_bytes=0))
     gm = fused.rank(0)
     reduces = _reduces(gm)
     assert reduces and all(n.target is AR.inplace for n in reduces if n.args[0].target is not aten.masked_fill.Scalar)
@@ -179,3 +180,20 @@ def test_comm_option_is_checked() -> None:
         _shard("mlp", "yes")
     with pytest.raises(tpcompile.TPCompileError, match="bucket_bytes"):
         tpcompile.CommOptions(bucket_bytes=-1)
+
+
+def test_default_runs_the_proven_passes_and_false_runs_none() -> None:
+    """comm=None means CommOptions() (as True); comm=False leaves every all_reduce functional; the default ranks
+    equal the model."""
+    assert comm_options(None) == comm_options(True) == tpcompile.CommOptions() == DEFAULT_COMM
+    assert comm_options(False) is None
+    default, off = _shard("gpt", None), _shard("gpt", False)
+    assert default.comm == DEFAULT_COMM and off.comm is None
+    assert any(n.target is AR.inplace for n in _reduces(default.rank(0)))
+    assert _reduces(off.rank(0)) and all(n.target is AR.default for n in _reduces(off.rank(0)))
+    model = build("gpt").train()
+    x = model.example_inputs()[0]
+    with torch.no_grad():
+        want = model(x)
+        for out in tpcompile.simulate(default, x):
+            torch.testing.assert_close(out, want, atol=1e-5, rtol=0)

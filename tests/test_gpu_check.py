@@ -47,7 +47,7 @@ def test_dry_run_reports_every_part_ok(tmp_path: Path) -> None:
     assert decode["roofline"]["bytes_per_token"]["weights"] > 0
     for workload in ("mlp", "gpt"):
         assert set(parts["forward_ratios"][workload]["ratio_to_hand_written"]) == {
-            "one process", "hand-written", "tpcompile", "tpcompile, comm=True"}
+            "one process", "hand-written", "tpcompile", "tpcompile, comm=False"}
 
 
 @pytest.mark.slow

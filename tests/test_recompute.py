@@ -27,12 +27,12 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _run(mode: str | None, dropout: float = 0.0) -> list[dict]:
+def _run(mode: str | None, dropout: float = 0.0, comm: object = None) -> list[dict]:
     """Each of 2 simulated ranks: gradients, bytes kept for backward, op and collective counts in backward."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, dropout=dropout)).train()
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
-    sm = tpcompile.shard(model, 2, example_inputs=(ids,))
+    sm = tpcompile.shard(model, 2, example_inputs=(ids,), comm=comm)
     for r in range(2):
         if mode == "blocks":
             checkpoint_blocks(sm.rank(r), find_blocks(model))
@@ -69,6 +69,24 @@ def test_checkpointing_keeps_the_gradients_and_the_names(plain: list[dict], mode
         assert got["state"] == want["state"]
         for name, g in want["grads"].items():
             assert torch.allclose(got["grads"][name], g, rtol=1e-5, atol=1e-7), name
+
+
+def test_selective_sums_functionally_under_the_default_and_async_passes(plain: list[dict]) -> None:
+    """Selective checkpointing keeps matmul outputs, so the default in-place (and opt-in async) all-reduces become
+    functional ones: none left in the graph, and every gradient as without checkpointing."""
+    reduce = torch.ops.tpcompile.all_reduce
+    for comm in (None, tpcompile.CommOptions(asynchronous=True)):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2)).train()
+        gm = tpcompile.shard(model, 2, example_inputs=(torch.zeros(2, 16, dtype=torch.long),), comm=comm).rank(0)
+        assert any(n.target in (reduce.inplace, reduce.start) for n in gm.graph.nodes)
+        checkpoint_selective(gm)
+        targets = {n.target for n in gm.graph.nodes}
+        assert reduce.default in targets and not targets & {reduce.inplace, reduce.start,
+                                                            torch.ops.tpcompile_async.wait.default}
+        for got, want in zip(_run("selective", comm=comm), plain):
+            for name, g in want["grads"].items():
+                assert torch.allclose(got["grads"][name], g, rtol=1e-5, atol=1e-7), (comm, name)
 
 
 def test_blocks_keep_less_and_recompute_their_ops(plain: list[dict]) -> None:

@@ -84,6 +84,23 @@ def test_tp_profile_reads_tpcompile_plan_and_rank_graph() -> None:
     assert any(c.op == "all_reduce" and c.elems == SEQ * 64 for c in attn.collectives)
 
 
+def test_default_gradient_bucket_is_priced_as_one_backward_all_reduce() -> None:
+    """At degree 4 (2 kv heads: kv pieces) the profile holds the gradient bucket shard()'s default passes emit,
+    priced as one backward all-reduce of its flattened elements and nothing in forward, as it runs."""
+    from tpcompile.strategy import comm
+    model = _llama()
+    tpp = tp_profile(build_profile(model, example_kwargs=LLAMA_KW, seq_len=SEQ), 4)
+    colls = [c for u in tpp.units for c in u.collectives] + [c for b in tpp.blocks for c in b.collectives]
+    buckets = [c for c in colls if c.op == "grad_bucket_all_reduce"]
+    assert buckets and not any(c.op == "grad_piece_all_reduce" for c in colls)
+    sm = tpcompile.shard(model, 4, example_kwargs={"input_ids": torch.ones(2, SEQ, dtype=torch.long),
+                                                   "use_cache": False})
+    ran = [call for call, _ in graph_schedule(sm.rank(0)) if call.op == "grad_bucket_all_reduce"]
+    assert len(ran) == len(buckets)
+    fwd, bwd = comm.tp_collective(buckets[0], buckets[0].elems * 4, 4, 100e9, 1e-5, False)
+    assert fwd == comm.ZERO and bwd == comm.all_reduce(buckets[0].elems * 4, 4, 100e9, 1e-5)
+
+
 def test_degrees_share_one_capture() -> None:
     """Running the passes at degree 4 after degree 2 on one capture reads the same costs as a fresh capture."""
     model = _llama()

@@ -58,7 +58,8 @@ def test_collective_removed_on_one_rank_is_caught(gpt_sharded: tuple) -> None:
     sm, _, _ = gpt_sharded
     reference = collective_signature(sm.rank(0))
     gm = copy.deepcopy(sm.rank(1))
-    victim = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.tpcompile.all_reduce.default][1]
+    reduces = (torch.ops.tpcompile.all_reduce.default, torch.ops.tpcompile.all_reduce.inplace)  # comm=False, None
+    victim = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in reduces][1]
     victim.replace_all_uses_with(victim.args[0])
     gm.graph.erase_node(victim)
     gm.recompile()

@@ -78,7 +78,15 @@ def dirty_autograd(x: torch.Tensor, op: Any, *args: Any) -> torch.Tensor:
     return x
 
 
+def _functional(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Under functionalization (torch.compile's AOT autograd): the out-of-place sum, written back into x, which
+    the compiler turns into a mutation of the graph's own buffer."""
+    x.copy_(torch.ops.tpcompile.all_reduce.default(x, group))
+    return x
+
+
 _lib.impl("all_reduce.inplace", _kernel, "CompositeExplicitAutograd")
+_lib.impl("all_reduce.inplace", _functional, "Functionalize")
 _lib.impl("all_reduce.inplace", lambda x, group: dirty_autograd(x, torch.ops.tpcompile.all_reduce.inplace, group),
           "Autograd")
 torch.library.register_fake("tpcompile::all_reduce.inplace", _fake, lib=_lib)

@@ -8,7 +8,10 @@
 - "selective": the whole forward runs under checkpoint with a selective policy: the outputs of
   matmuls, attention, convolutions, tpcompile's collectives and random masks are kept, everything
   else (pointwise ops, norms, softmax, reshapes) is recomputed in backward. No collective runs twice
-  and no mask is drawn again.
+  and no mask is drawn again. A kept matmul output is saved for backward, so no all-reduce may sum
+  into it (passes/comm_inplace.py's own rule; torch's selective checkpoint raises on a mutated saved
+  tensor): the in-place and asynchronous all-reduces of the default comm passes become functional
+  all-reduces again in this mode (`_functional_sums`).
 """
 from __future__ import annotations
 
@@ -67,8 +70,27 @@ def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _functional_sums(gm: GraphModule) -> None:
+    """Every all_reduce.inplace / all_reduce.start of gm back to the functional all_reduce (a start's wait
+    dropped: the functional sum is complete), so no saved matmul output is overwritten."""
+    reduce, changed = torch.ops.tpcompile.all_reduce, False
+    for node in list(gm.graph.nodes):
+        if node.target is torch.ops.tpcompile_async.wait.default:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            changed = True
+        elif node.target in (reduce.inplace, reduce.start):
+            node.target, changed = reduce.default, True
+            node.meta["tp_inplace"] = "selective activation checkpointing saves its input for backward"
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+
+
 def checkpoint_selective(gm: GraphModule) -> GraphModule:
     """Run gm's forward under checkpoint with the selective policy (module docstring)."""
+    import tpcompile.ops.async_ops  # noqa: F401  (torch.ops.tpcompile_async, which _functional_sums reads)
+    _functional_sums(gm)
     inner: Callable[..., Any] = gm.forward
     context = functools.partial(create_selective_checkpoint_contexts, _policy)
 

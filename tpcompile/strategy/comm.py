@@ -60,7 +60,8 @@ def tp_collective(c: Collective, nbytes: float, p: int, bw: float, alpha: float,
         return all_gather(nbytes, p, bw, alpha), reduce_scatter(nbytes, p, bw, alpha)
     if op == "all_reduce":
         return all_reduce(nbytes, p, bw, alpha), ZERO
-    if op in ("grad_all_reduce", "grad_piece_all_reduce"):
+    if op in ("grad_all_reduce", "grad_piece_all_reduce", "grad_bucket_all_reduce"):
+        # a bucket (the default comm passes) is one backward all-reduce of its members' flattened elements
         return ZERO, all_reduce(nbytes, p, bw, alpha)
     if op == "all_gather":
         return all_gather(nbytes * p, p, bw, alpha), reduce_scatter(nbytes * p, p, bw, alpha)
