@@ -4,9 +4,12 @@ TPCOMPILE_FUZZ_EXAMPLES ?= 2000
 
 .PHONY: test fuzz
 
-# The default suite (4 to 13 minutes on 2 cores, depending on the machine), the short fuzz run included.
+# The default suite (in-process; the short fuzz run included), then the tests that start real gloo
+# processes and the restart test, as .ci/run runs them.
 test:
 	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -m 'gloo and not slow and not hybrid and not restart'
+	$(PYTHON) -m pytest -q -m restart
 
 # The long property-based run: TPCOMPILE_FUZZ_EXAMPLES random cases, a summary by outcome at the end.
 fuzz:

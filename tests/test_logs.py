@@ -30,12 +30,20 @@ def _logged(monkeypatch: pytest.MonkeyPatch) -> logging.LogRecord:
     """One info record of the tpcompile logger, as a handler sees it."""
     keep = _Keep()
     logger = logging.getLogger(logs.LOGGER)
-    monkeypatch.setattr(logger, "level", logging.INFO)
+    # setLevel clears the logger's isEnabledFor cache (assigning .level does not); another test may have
+    # disabled the logger or logging as a whole, so both are opened for this record and restored after.
+    level, disabled, manager_disable = logger.level, logger.disabled, logging.root.manager.disable
+    logger.setLevel(logging.INFO)
+    logger.disabled = False
+    logging.disable(logging.NOTSET)
     logger.addHandler(keep)
     try:
         logger.info("hello")
     finally:
         logger.removeHandler(keep)
+        logger.setLevel(level)
+        logger.disabled = disabled
+        logging.disable(manager_disable)
     return keep.records[-1]
 
 

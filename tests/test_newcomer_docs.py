@@ -40,21 +40,22 @@ def test_readme_commands_name_the_venv() -> None:
 
 
 def test_readme_marker_selections_keep_the_defaults_out() -> None:
-    """Each `pytest -m '...'` the README offers to leave tests out also leaves out what the default run does
-    (pyproject's addopts): a -m on the command line replaces the default one."""
+    """Each `pytest -m '...'` the README offers selects what it names and still leaves out the other markers the
+    default run (pyproject's addopts) leaves out: a -m on the command line replaces the default one."""
     addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
     default = Expression.compile(re.search(r"-m\s+'([^']+)'", addopts).group(1)).evaluate
     markers = ("slow", "hybrid", "gloo", "restart")
     left_out = [m for m in markers if not default(lambda name, m=m: name == m)]
-    assert {"slow", "hybrid"} <= set(left_out)
-    offered = [" ".join(e.split()) for e in re.findall(r"pytest\s+-m\s+'([^']+)'", _readme())]
-    leaving_out = [e for e in offered if e.startswith("not ")]
-    assert leaving_out
-    for expr in leaving_out:
+    assert {"slow", "hybrid", "gloo", "restart"} <= set(left_out)
+    offered = [" ".join(e.split()) for e in re.findall(r"pytest(?:\s+-\w+)*\s+-m\s+'([^']+)'", _readme())]
+    assert "gloo and not slow and not hybrid and not restart" in offered
+    for expr in offered:
         match = Expression.compile(expr).evaluate
-        assert match(lambda name: False), expr  # an ordinary test runs
-        for marker in left_out + ["gloo"]:
-            assert not match(lambda name, m=marker: name == m), (expr, marker)
+        named = [m for m in markers if re.search(rf"(?<!not )\b{m}\b", expr)]
+        for marker in named:
+            assert match(lambda name, m=marker: name == m), (expr, marker)  # it selects what it names
+        for marker in set(left_out) - set(named):  # and keeps the rest out, also from tests it selects
+            assert not match(lambda name, m=marker: name == m or name in named), (expr, marker)
 
 
 def test_cli_doc_has_a_section_per_subcommand() -> None:
