@@ -16,6 +16,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from tpcompile.placement import ParamSlice, Shard, local_shape, rank_pieces
+from tpcompile.report.tolerance import Tolerance
 from tpcompile.report.wording import placements_in_words
 
 # dtype -> (atol, rtol), as torch.testing.assert_close chooses them
@@ -26,7 +27,7 @@ DEFAULT_TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
 
 
 @dataclass
-class OutputCheck:
+class OutputCheck(Tolerance):
     """One output tensor: its difference from the reference on every rank, and what is allowed."""
 
     path: str
@@ -36,14 +37,6 @@ class OutputCheck:
     atol: float
     rtol: float
     split: str = ""  # how the output stays split across ranks, in words; '' when every rank holds all of it
-
-    @property
-    def allowed(self) -> float:
-        return self.atol + self.rtol * self.scale
-
-    @property
-    def worst(self) -> float:
-        return max(self.diffs, default=0.0)
 
     @property
     def relative(self) -> float:

@@ -5,6 +5,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from tpcompile.report.tolerance import Tolerance
+
 
 def _ratio(worst: float, allowed: float) -> float:
     """How far a difference is into (below 1) or past (above 1) its tolerance."""
@@ -12,7 +14,7 @@ def _ratio(worst: float, allowed: float) -> float:
 
 
 @dataclass
-class LossCheck:
+class LossCheck(Tolerance):
     """The loss of every rank against the original's loss."""
 
     reference: float
@@ -26,14 +28,6 @@ class LossCheck:
         return [abs(x - self.reference) if math.isfinite(x) else math.inf for x in self.losses]
 
     @property
-    def allowed(self) -> float:
-        return self.atol + self.rtol * self.scale
-
-    @property
-    def worst(self) -> float:
-        return max(self.diffs, default=0.0)
-
-    @property
     def ok(self) -> bool:
         return self.worst <= self.allowed
 
@@ -45,7 +39,7 @@ class LossCheck:
 
 
 @dataclass
-class GradientCheck:
+class GradientCheck(Tolerance):
     """One parameter: its gradient on every rank against that rank's slice of the original's gradient."""
 
     name: str
@@ -58,14 +52,6 @@ class GradientCheck:
     rtol: float
     problems: dict[int, str] = field(default_factory=dict)  # rank -> why its gradient cannot be compared
     unused: str = ""  # why no side has a gradient ('frozen (requires_grad=False)', ...); '' when compared
-
-    @property
-    def allowed(self) -> float:
-        return self.atol + self.rtol * self.scale
-
-    @property
-    def worst(self) -> float:
-        return max(self.diffs, default=0.0)
 
     @property
     def bad_ranks(self) -> list[int]:
