@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import re
 
+import warnings
+
 import pytest
 import torch
 
@@ -120,17 +122,21 @@ def test_hf_heads_not_divisible_warns_and_matches() -> None:
             torch.testing.assert_close(out.logits, ref, atol=1e-4, rtol=0)
 
 
-def test_llama_heads_not_divisible_keeps_the_mlp_split() -> None:
-    """Llama with 6 heads at 4 ranks: attention replicated, but every MLP stays column -> row (RMSNorm between)."""
+def test_llama_heads_not_divisible_are_padded_by_whole_heads() -> None:
+    """Llama with 6 heads at 4 ranks: heads padded to 8 (2 a rank, the last rank's zeros), no warning, attention and
+    every MLP column -> row (RMSNorm between), exact on another batch and length."""
     arch = next(a for a in ARCHS if a.name == "llama")
     model = build(arch, hidden_size=96, num_attention_heads=6, num_key_value_heads=6)
-    with pytest.warns(tpcompile.TPCompileWarning):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpcompile.TPCompileWarning)
         sm = tpcompile.shard(model, 4, example_kwargs=inputs(arch, 2, 8))
     for layer in range(2):
-        roles = {p: sm.plan.parameters[f"model.layers.{layer}.{p}.weight"].role
-                 for p in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
-        assert roles == {"self_attn.o_proj": "replicated", "mlp.gate_proj": "column",
-                         "mlp.up_proj": "column", "mlp.down_proj": "row"}
+        plans = {p: sm.plan.parameters[f"model.layers.{layer}.{p}.weight"]
+                 for p in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+        assert {p: pp.role for p, pp in plans.items()} == {
+            "self_attn.q_proj": "column", "self_attn.o_proj": "row", "mlp.gate_proj": "column",
+            "mlp.up_proj": "column", "mlp.down_proj": "row"}
+        assert plans["self_attn.q_proj"].padded == 128 and plans["self_attn.q_proj"].local_shape == (32, 96)
     kw = inputs(arch, 3, 13)
     with torch.no_grad():
         ref = model(**kw).logits

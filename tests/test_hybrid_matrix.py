@@ -128,6 +128,14 @@ def test_meta_model_reads_its_slices_from_safetensors(data_parallel: str, tmp_pa
 USER_MODEL = "tests/user_lm.py:make"  # a factory with no example_inputs() and no seed of its own
 
 
+@pytest.mark.parametrize("layout", [(1, 3, 1), (2, 3, 1)], ids=lambda t: "x".join(map(str, t)))
+def test_three_tp_ranks_split_heads_they_do_not_divide(layout: tuple[int, int, int]) -> None:
+    """hf:llama's 4 heads and 2 kv heads at tp 3: padded to 2 and 1 a rank; the reference losses, and each rank
+    holds less than half of the model."""
+    out = _train("hf:llama", layout, "ddp")
+    assert max(out["param_bytes_per_rank"]) < 0.5 * out["model_param_bytes"]
+
+
 @pytest.mark.parametrize("layout", [(2, 2, 2), (2, 4, 1), (1, 2, 4)], ids=lambda t: "x".join(map(str, t)))
 def test_user_model_file_gives_the_reference_losses(layout: tuple[int, int, int]) -> None:
     """A user's model file under torchrun: each rank builds it after seed 0, losses equal the reference's."""

@@ -321,28 +321,29 @@ def test_token_ids_outside_the_vocabulary(ws: int, bad: int) -> None:
 # --- warnings name the root cause ---
 
 class HeadsNotDivisible(nn.Module):
-    """4 heads at 3 ranks: q/k/v cannot split, so the output projection sees a whole input."""
+    """A fused q|k|v of 4 heads at 3 ranks: its segments cannot split by heads, so the output projection sees a
+    whole input."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.q, self.k, self.v, self.wo = (nn.Linear(48, 48) for _ in range(4))
+        self.qkv, self.wo = nn.Linear(48, 144), nn.Linear(48, 48)
         self.norm, self.fc, self.proj = nn.RMSNorm(48), nn.Linear(48, 192), nn.Linear(192, 48)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = (p(x).view(B, T, 4, 12).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q, k, v = (p.view(B, T, 4, 12).transpose(1, 2) for p in self.qkv(x).split(48, dim=-1))
         x = x + self.wo(nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, 48))
         return x + self.proj(torch.relu(self.fc(self.norm(x))))
 
 
 def test_a_warning_names_the_upstream_root_cause() -> None:
-    """The output projection blamed at the next norm is said to follow from q/k/v's indivisible heads."""
+    """The output projection blamed at the next norm is said to follow from the fused q|k|v's indivisible heads."""
     torch.manual_seed(0)
     model = HeadsNotDivisible().eval()
     with pytest.warns(tpcompile.TPCompileWarning) as caught:
         sm = tpcompile.shard(model, 3, example_inputs=(torch.randn(2, 5, 48),))
     wo = next(str(w.message) for w in caught if "replicating wo" in str(w.message))
-    assert "its input is whole only because k, q, v are replicated (the root cause: " in wo
+    assert "its input is whole only because qkv is replicated (the root cause: " in wo
     assert "4 is not divisible by world size 3" in wo
     assert sm.plan.modules["fc"] == "column" and sm.plan.modules["proj"] == "row"
     _equal_on_every_rank(model, sm, torch.randn(3, 7, 48))

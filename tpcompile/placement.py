@@ -64,6 +64,13 @@ class Shard:
                 and self.outer is None and self.pieces is None and self.seg_pieces is None)
 
 
+    @property
+    def plain_padded(self) -> bool:
+        """True when the dimension is one segment zero-padded to a multiple of the world size and split evenly."""
+        return (self.padded is not None and (self.segments is None or len(self.segments) == 1)
+                and self.outer is None and self.pieces is None and self.seg_pieces is None and not self.seq)
+
+
 @dataclass(frozen=True)
 class Partial:
     """Each rank holds a summand and the value is their sum: a row split's result before its all-reduce.

@@ -123,8 +123,8 @@ def check_wants(res: Result, placement: Any, own: Collection[Node] = ()) -> tupl
             have = REPLICATE
             if have == w.placement:
                 continue
-        if isinstance(have, Replicate) and isinstance(w.placement, Shard) and w.placement.padded is None \
-                and w.placement.split_next is None:
+        if isinstance(have, Replicate) and isinstance(w.placement, Shard) and w.placement.split_next is None \
+                and (w.placement.padded is None or w.placement.plain_padded):
             continue  # a local slice, no communication (passes/rewrite_slices.py when not plain)
         if is_seq(have) and isinstance(w.placement, Replicate):
             continue  # an all-gather of the tokens

@@ -30,6 +30,7 @@ from tpcompile.errors import TPCompileError, TPCompileWarning
 from tpcompile.passes.pass_context import PassContext
 from tpcompile.passes.sweep import SEED_RULES, Layout, Sweep, seed_path
 from tpcompile.placement import REPLICATE, slice_placement
+from tpcompile.sharding_rules.rule_context import Choice
 
 __all__ = ["SEED_RULES", "Layout", "propagate_pass", "seed_path"]
 
@@ -81,7 +82,7 @@ def propagate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
 def _warn(ctx: PassContext) -> None:
     by_reason: dict[str, list[str]] = {}
     for seed, why in ctx.demoted.items():
-        if why != "replicated by the plan":
+        if why != "replicated by the plan" and not isinstance(why, Choice):  # a choice is shown in the plan
             by_reason.setdefault(_root_cause(seed, why, ctx), []).append(seed_path(seed) or seed.name)
     for why, paths in by_reason.items():
         names = sorted(set(paths))

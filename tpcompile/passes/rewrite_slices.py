@@ -36,6 +36,14 @@ def local_slice(em: Any, src: Node, node: Node, p: Shard) -> Node:
     if val.is_floating_point() or val.is_complex():
         src = em.call(tp.grad_all_reduce.default, src, em.ctx.group)
     size = to_size(val.shape[p.dim])
+    if p.padded is not None:  # this rank's block of the value zero-padded to p.padded (empty past the end)
+        n, block = int(size), p.padded // em.ws
+        start = min(em.rank * block, n)
+        length = min(block, n - start)
+        x = em.call(aten.narrow.default, src, p.dim, start, length)
+        if length == block:
+            return x
+        return em.call(aten.constant_pad_nd.default, x, [0, 0] * (val.dim() - 1 - p.dim) + [0, block - length], 0)
     if p.pieces:  # one of `pieces` contiguous pieces, each held by ws / pieces ranks
         n = int(size) // p.pieces
         return em.call(aten.narrow.default, src, p.dim, em.rank // (em.ws // p.pieces) * n, n)

@@ -65,14 +65,16 @@ class PlanReport:
 
 
 def split_text(pp: Any) -> str:
-    """'column@0 64|64|64', 'row@1', 'vocab@0 padded 252', 'replicated' for a ParamPlan."""
+    """'column@0 64|64|64', 'row@1', 'vocab@0 padded 252 (63|63|63|61)', 'replicated' for a ParamPlan."""
     if pp.dim is None:
         return "replicated"
     text = f"{pp.role}@{pp.dim}"
     if pp.segments and len(pp.segments) > 1:
         text += " " + "|".join(map(str, pp.segments))
-    if pp.padded:
-        text += f" padded {pp.padded}"
+    if pp.padded:  # and what each rank holds of the real size, the rest zeros: 'padded 64 (16|16|16|0)'
+        block, full = pp.local_shape[pp.dim], pp.global_shape[pp.dim]
+        held = [max(0, min(block, full - r * block)) for r in range(pp.padded // block)]
+        text += f" padded {pp.padded} ({'|'.join(map(str, held))})"
     if pp.pieces:
         text += f" {pp.pieces} pieces"
     return text

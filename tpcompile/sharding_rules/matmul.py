@@ -9,7 +9,7 @@ from torch.fx import Node
 from tpcompile.placement import PARTIAL, REPLICATE, Replicate, Shard, moved, padded_size, shard_of
 from tpcompile.sharding_rules.pieces import piece_matmul
 from tpcompile.sharding_rules.registry import rule
-from tpcompile.sharding_rules.rule_context import ParamSlice, Result, RuleContext, Want, weight_view
+from tpcompile.sharding_rules.rule_context import Choice, ParamSlice, Result, RuleContext, Want, weight_view
 from tpcompile.sharding_rules.table import RuleSpec
 
 
@@ -44,13 +44,14 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
             return Result(REPLICATE, [Want(x, REPLICATE)], role="replicated", params=params, note=why)
         segments = ctx.segment_hint(node) or (wshape[out_dim],)
         counts = head_pieces(segments, spec.get("heads"), ctx.world_size)
-        bad = [s for s, g in zip(segments, counts) if s % g]
+        unit = _unit(segments[0], spec.get("heads")) if len(segments) == 1 and counts[0] == ctx.world_size else 1
+        bad = [s for s, g in zip(segments, counts) if s % (g * unit)]  # a single segment keeps its heads whole
         padded = None
         if bad and len(segments) > 1:
             return Result(REPLICATE, [Want(x, REPLICATE)], role="replicated", params=params,
                           demote_self=f"segment {bad[0]} not divisible by world size {ctx.world_size}")
         if bad:  # zero-padded to a multiple of the world size; fine up to a row split or the output
-            padded = padded_size(wshape[out_dim], ctx.world_size)
+            padded = padded_size(wshape[out_dim], ctx.world_size * unit)
         pieces = ctx.pieces_of(node) or (counts[0] if len(segments) == 1 and counts[0] < ctx.world_size else None)
         if pieces:  # fewer pieces than ranks: each held by several ranks (MQA's one kv head: by all)
             segments, padded, counts = (wshape[out_dim],), None, [ctx.world_size]
@@ -75,6 +76,12 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return Result(out, [Want(x, px)] + bias, role="row", params=params)
     return Result(REPLICATE, [Want(x, REPLICATE)], params=params,
                   conflict=f"input is sharded on dim {px.dim}, not on the contracted dim")
+
+
+def _unit(size: int, heads: Optional[tuple]) -> int:
+    """The unit a split of `size` features must not cut: its head size when a reshape splits it into heads, else 1."""
+    d = heads[0] if heads else None
+    return d if d and size % d == 0 else 1
 
 
 def head_pieces(segments: tuple, heads: Optional[tuple], world_size: int) -> list[int]:
@@ -169,20 +176,29 @@ def sdpa(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     tensors = [q, k, v] + ([mask] if isinstance(mask, Node) else [])
     if ctx.all_replicated(tensors):
         return Result(REPLICATE, [Want(n, REPLICATE) for n in tensors])
-    target = Shard(1)
     one = [n for n in (k, v) if ctx.shape(n)[1] == 1 and ctx.placement(n) in (REPLICATE, Shard(1, pieces=1))]
-    for n in tensors:
-        p = ctx.placement(n)
+    # whole heads per rank; heads zero-padded to a multiple of the ranks when their count does not divide
+    # (the query's layout leads: keys and values laid out otherwise are blamed, so they are the ones kept whole)
+    target = next((p for n in (q, k, v) if n not in one and isinstance(p := ctx.placement(n), Shard)
+                   and p.dim == 1 and (p.plain or p.plain_padded)), Shard(1))
+    for n in (k, v, mask, q):
+        p = ctx.placement(n) if isinstance(n, Node) else None
         if isinstance(p, Shard) and p != target and n not in one:
-            return Result(REPLICATE, [Want(n, REPLICATE) for n in tensors], blame=[n],
-                          conflict=f"attention input sharded as {p}, expected whole heads (dim 1)")
+            why = f"attention input sharded as {p}, expected whole heads (dim 1)"
+            if n in (k, v) and p.dim == 1 and (p.plain_padded or p.pieces) and target.dim == 1 \
+                    and (target.plain_padded or isinstance(ctx.placement(q), Shard)):
+                why = Choice(f"the key/value heads, laid out as {p} over {ctx.world_size} ranks, do not line up with "
+                             f"the query heads ({target}): keys and values whole on every rank (kv-head "
+                             f"replication), each rank reading the ones its query heads use")
+            return Result(REPLICATE, [Want(n, REPLICATE) for n in tensors], blame=[n], conflict=why)
     wants = []
     for n in (q, k, v):
         heads = ctx.shape(n)[1]
         if n in one:  # one key / value head broadcast over every query head (multi-query): whole on each rank
             wants.append(Want(n, ctx.placement(n)) if ctx.placement(n) != REPLICATE else ctx.replicated_want(n, target))
             continue
-        if isinstance(ctx.placement(n), Replicate) and heads % ctx.world_size:
+        if isinstance(ctx.placement(n), Replicate) and heads % ctx.world_size \
+                and target.padded != padded_size(heads, ctx.world_size):
             return Result(REPLICATE, [Want(m, REPLICATE) for m in tensors],
                           conflict=f"{heads} heads not divisible by world size {ctx.world_size}")
         wants.append(Want(n, target))

@@ -23,6 +23,11 @@ class Want:
     grad_sync: bool = False  # replicated input used by a sharded op: its gradient is partial
 
 
+class Choice(str):
+    """A conflict that is a planned choice, not a failure: its seeds are replicated without a warning and the
+    reason is shown in the plan (kv heads that do not line up with the query heads over the ranks)."""
+
+
 @dataclass
 class Result:
     """A rule's answer for one node: output placement and what it needs of its inputs."""

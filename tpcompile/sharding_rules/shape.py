@@ -10,6 +10,7 @@ from torch.fx import Node
 
 from tpcompile.placement import REPLICATE, Replicate, Shard, local_sizes, moved, shard, shard_of, split_dims
 from tpcompile.sharding_rules.grouped import cut_later, grouped
+from tpcompile.sharding_rules.padded import padded_reshape
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import (Result, RuleContext, Size, Want, exact_size, norm_dim, period,
                                                     prod, sizes_equal)
@@ -81,7 +82,7 @@ def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: i
         if len(gi) == 1 and len(gj) == 1:
             return moved(p, gj[0]), ""
         if p.padded is not None:
-            return None, f"reshape of a dim padded from {ins[p.dim]} to {p.padded}"
+            return padded_reshape(p, gi, gj, ins, outs, ws)
         t = gi.index(p.dim)
         count = (p.outer or 1) * prod([ins[d] for d in gi[:t]])
         inner = prod([ins[d] for d in gi[t + 1:]])
@@ -114,8 +115,7 @@ def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: i
             if held:  # fewer groups than ranks, each split along the next dim: (kv heads, group, head_dim)
                 return replace(held, dim=gj[u]), ""
             if not p.seq and any(s % (p.pieces or ws) for s in one):  # a finer dim may still hold whole blocks
-                sizes = "x".join(str(s) for s in outs_g)
-                why = (f"reshape splits a sharded dim of size {ins[p.dim]} into ({sizes}); "
+                why = (f"reshape splits a sharded dim of size {ins[p.dim]} into ({'x'.join(map(str, outs_g))}); "
                        f"{size} is not divisible by world size {ws}")
                 continue
             # tokens (seq) are split at run time, where their count must be a multiple of the world size

@@ -40,7 +40,8 @@ def write_into(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
             and len(sshape) == len(dshape) and sshape[pd.dim] == dshape[pd.dim] and _buffer_under(dst, -1, ctx) is None:
         # a whole value written into a split temporary (`out[..., :n].copy_(whole)`): each rank writes its part
         return Result(pd, [Want(dst, pd), Want(src, pd)] + [Want(n, REPLICATE) for n in tensors if n not in (dst, src)])
-    if not isinstance(ps, Shard) or ps.segments or ps.padded or ps.outer or ps.seq or len(sshape) != len(dshape):
+    if not isinstance(ps, Shard) or ps.segments or (ps.padded and not ps.plain_padded) or ps.outer or ps.seq \
+            or len(sshape) != len(dshape):  # heads zero-padded to a multiple of the ranks: the buffer is padded too
         return _fail(node, tensors, f"writes a value split as {ps} into {dst.name} in place")
     i = spec.get("dim_arg")
     if i is not None and norm_dim(node.args[i], len(dshape)) == ps.dim:
@@ -54,7 +55,7 @@ def write_into(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
                                     f"which is {pd}")
     # a view whose buffer is not cut yet: this round cuts it, the next reads it cut (the view then matches)
     cut = root is not None and not ctx.demoted(node)
-    params = {root: ParamSlice(target.dim, None, None, target.pieces)} if cut else {}
+    params = {root: ParamSlice(target.dim, None, target.padded, target.pieces)} if cut else {}
     if root is not None and not params:
         return _fail(node, tensors, f"writes into buffer {root.target}, which the plan keeps whole")
     # (a view of a buffer this round has yet to cut is taken as it is: the round is not the last)

@@ -1,0 +1,139 @@
+"""Head counts and widths the world size does not divide: heads zero-padded by whole heads, kv heads replicated
+when they cannot line up with the query heads, exact forward and gradients, no warning."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tpcompile
+from tpcompile.placement import Shard
+from tpcompile.report.plan_table import split_text
+from tpcompile.sharding_rules.shape import reshape_placement
+
+
+class Attention(nn.Module):
+    """Grouped-query attention written the usual way: view to heads, repeat the kv heads, sdpa, merge, project."""
+
+    def __init__(self, width: int, heads: int, kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q = nn.Linear(width, heads * head_dim)
+        self.k = nn.Linear(width, kv_heads * head_dim)
+        self.v = nn.Linear(width, kv_heads * head_dim)
+        self.o = nn.Linear(heads * head_dim, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        rep = self.heads // self.kv_heads
+        k = k[:, :, None].expand(b, self.kv_heads, rep, t, self.head_dim).reshape(b, self.heads, t, self.head_dim)
+        v = v[:, :, None].expand(b, self.kv_heads, rep, t, self.head_dim).reshape(b, self.heads, t, self.head_dim)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int, kv_heads: int, head_dim: int, ffn: int) -> None:
+        super().__init__()
+        self.n1, self.n2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = Attention(width, heads, kv_heads, head_dim)
+        self.up, self.down = nn.Linear(width, ffn), nn.Linear(ffn, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.n1(x))
+        return x + self.down(F.gelu(self.up(self.n2(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, heads: int, kv_heads: int, head_dim: int = 8, ffn: int = 50, width: int = 40) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(Block(width, heads, kv_heads, head_dim, ffn) for _ in range(2)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+def _shard(model: nn.Module, ws: int) -> tuple[tpcompile.ShardedModel, list]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sm = tpcompile.shard(model, ws, example_inputs=(torch.randn(2, 8, 40),))
+    return sm, [w for w in caught if issubclass(w.category, tpcompile.TPCompileWarning)]
+
+
+def _net(heads: int, kv_heads: int, **kw: int) -> Net:
+    torch.manual_seed(0)
+    return Net(heads, kv_heads, **kw).eval()
+
+
+@pytest.mark.parametrize("ws, heads, kv, padded_q, padded_kv", [
+    (4, 6, 6, 64, 64),  # 6 heads at 4 ranks: padded to 8 heads, 2 a rank, the last rank one real head
+    (4, 6, 3, 64, 32),  # q 6 -> 8, kv 3 -> 4: each rank's two query heads use its one kv head
+    (5, 8, 4, 80, 40),  # q 8 -> 10 at 5 ranks, kv 4 -> 5: 2 query heads and 1 kv head a rank
+])
+def test_heads_padded_by_whole_heads_are_split_and_exact(ws: int, heads: int, kv: int, padded_q: int,
+                                                         padded_kv: int) -> None:
+    model = _net(heads, kv)
+    sm, warned = _shard(model, ws)
+    assert not warned, [str(w.message) for w in warned]
+    q, k = sm.plan.parameters["blocks.0.attn.q.weight"], sm.plan.parameters["blocks.0.attn.k.weight"]
+    assert (q.role, q.padded, q.local_shape) == ("column", padded_q, (padded_q // ws, 40))
+    assert (k.role, k.padded, k.local_shape) == ("column", padded_kv, (padded_kv // ws, 40))
+    assert sm.plan.parameters["blocks.0.attn.o.weight"].local_shape == (40, padded_q // ws)
+    ffn = sm.plan.parameters["blocks.0.up.weight"]
+    assert ffn.padded == (None if 50 % ws == 0 else -(-50 // ws) * ws) and ffn.local_shape[0] == -(-50 // ws)
+    # Megatron's minimum: one all-reduce after attention and one after the MLP of each block
+    assert sorted(op for op, _ in sm.collectives()) == ["all_reduce"] * 4
+    x = torch.randn(3, 13, 40)  # another batch and length than the capture's
+    with torch.no_grad():
+        ref = model(x)
+        for out in tpcompile.simulate(sm, x):
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def test_padded_heads_gradients_agree() -> None:
+    model = _net(6, 3).train()
+    sm, warned = _shard(model, 4)
+    assert not warned
+    report = tpcompile.check_gradients(model, sm, torch.randn(2, 9, 40))
+    assert report.ok, str(report)
+
+
+def test_kv_heads_that_cannot_line_up_are_replicated_by_choice() -> None:
+    """12 query heads at 3 ranks split 4|4|4; 4 kv heads cannot follow them, so each rank keeps every kv head."""
+    model = _net(12, 4, head_dim=4, width=40)
+    sm, warned = _shard(model, 3)
+    assert not warned, [str(w.message) for w in warned]
+    assert sm.plan.parameters["blocks.0.attn.q.weight"].local_shape == (16, 40)
+    assert sm.plan.parameters["blocks.0.attn.k.weight"].role == "replicated"
+    why = sm.plan.replicated["blocks.0.attn.k"]
+    assert "kv-head replication" in why and "do not line up with the query heads" in why
+    assert sorted(op for op, _ in sm.collectives()) == ["all_reduce"] * 4
+    x = torch.randn(2, 11, 40)
+    with torch.no_grad():
+        ref = model(x)
+        for out in tpcompile.simulate(sm, x):
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def test_a_padded_dim_reshapes_by_whole_heads_only() -> None:
+    """(B, T, 48 padded to 64) -> (B, T, 6 heads padded to 8, 8) and back; a cut inside a head is refused."""
+    p = Shard(2, padded=64)
+    heads, why = reshape_placement(p, (2, 8, 48), (2, 8, 6, 8), 4)
+    assert heads == Shard(2, padded=8) and why == ""
+    back, _ = reshape_placement(Shard(2, padded=8), (2, 8, 6, 8), (2, 8, 48), 4)
+    assert back == Shard(2, padded=64)
+    cut, why = reshape_placement(Shard(2, padded=52), (2, 8, 50), (2, 8, 5, 10), 4)
+    assert cut is None and "padded" in why
+
+
+def test_plan_shows_each_ranks_real_share() -> None:
+    model = _net(6, 6)
+    sm, _ = _shard(model, 4)
+    text = split_text(sm.plan.parameters["blocks.0.attn.q.weight"])
+    assert text == "column@0 padded 64 (16|16|16|0)", text
