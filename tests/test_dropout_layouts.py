@@ -57,10 +57,11 @@ def _sharded(name: str, world_size: int, sequence_parallel: bool = False) -> tpc
     return shard_captured(dataclasses.replace(cap, gm=gm), world_size, sequence_parallel=sequence_parallel)
 
 
-@pytest.mark.parametrize("world_size,sequence_parallel", [(2, False), (4, False), (2, True), (4, True)])
+@pytest.mark.parametrize("world_size,sequence_parallel", [(2, False), (4, False), (2, True), (4, True), (3, False)])
 @pytest.mark.parametrize("attention", ["sdpa", "manual"])
 def test_gpt_masks_equal_world_size_one(attention: str, world_size: int, sequence_parallel: bool) -> None:
-    """The GPT with dropout on gives, on every rank at ws 2 and 4 (heads, tokens split), the output of ws 1."""
+    """The GPT with dropout on gives, on every rank at ws 2, 3 and 4 (heads, tokens split; its 4 heads padded to 6
+    at 3 ranks), the output of ws 1."""
     want = _outputs(attention, 1)[0]
     sm = _sharded(attention, world_size, sequence_parallel)
     masks = sum(n.target is torch.ops.tpcompile_rng.dropout_mask.default for n in sm.rank(1).graph.nodes)
@@ -160,10 +161,11 @@ def _mask(shape: list[int], placement: object, rank: int, ws: int, rows_of: list
 
 
 @pytest.mark.parametrize("sl", [ParamSlice(1), ParamSlice(1, segments=(8, 4, 4)), ParamSlice(1, padded=20),
-                                ParamSlice(1, pieces=2), ParamSlice(1, segments=(8, 4, 4), seg_pieces=(4, 2, 2))])
+                                ParamSlice(1, pieces=2), ParamSlice(1, segments=(8, 4, 4), seg_pieces=(4, 2, 2)),
+                                ParamSlice(1, segments=(8, 4, 4), padded=(8, 8, 8))])
 def test_each_split_kind_tiles_the_whole_mask(sl: ParamSlice) -> None:
     """Segments, kv pieces and a padded dim at 4 ranks: each rank's mask is the whole mask at its positions."""
-    shape = [3, 18 if sl.padded else 16, 5]
+    shape = [3, 18 if isinstance(sl.padded, int) else 16, 5]
     whole = _mask(shape, None, 0, 1, [0, 0, 0], 0)
     for r in range(4):
         local = _mask(shape, slice_placement(sl), r, 4, [0, 0, 0], 0)

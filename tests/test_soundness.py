@@ -321,29 +321,31 @@ def test_token_ids_outside_the_vocabulary(ws: int, bad: int) -> None:
 # --- warnings name the root cause ---
 
 class HeadsNotDivisible(nn.Module):
-    """A fused q|k|v of 4 heads at 3 ranks: its segments cannot split by heads, so the output projection sees a
-    whole input."""
+    """4 heads at 3 ranks, q/k/v each normalised over all its heads (OLMo-2's q/k norms): split evenly for the norm,
+    they cut through a head at the view, so the output projection sees a whole input."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.qkv, self.wo = nn.Linear(48, 144), nn.Linear(48, 48)
+        self.q, self.k, self.v, self.wo = (nn.Linear(48, 48) for _ in range(4))
+        self.qn, self.kn, self.vn = (nn.RMSNorm(48) for _ in range(3))
         self.norm, self.fc, self.proj = nn.RMSNorm(48), nn.Linear(48, 192), nn.Linear(192, 48)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = (p.view(B, T, 4, 12).transpose(1, 2) for p in self.qkv(x).split(48, dim=-1))
+        q, k, v = (n(p(x)).view(B, T, 4, 12).transpose(1, 2)
+                   for p, n in ((self.q, self.qn), (self.k, self.kn), (self.v, self.vn)))
         x = x + self.wo(nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, 48))
         return x + self.proj(torch.relu(self.fc(self.norm(x))))
 
 
 def test_a_warning_names_the_upstream_root_cause() -> None:
-    """The output projection blamed at the next norm is said to follow from the fused q|k|v's indivisible heads."""
+    """The output projection blamed at the next norm is said to follow from q/k/v being replicated, and why."""
     torch.manual_seed(0)
     model = HeadsNotDivisible().eval()
     with pytest.warns(tpcompile.TPCompileWarning) as caught:
         sm = tpcompile.shard(model, 3, example_inputs=(torch.randn(2, 5, 48),))
     wo = next(str(w.message) for w in caught if "replicating wo" in str(w.message))
-    assert "its input is whole only because qkv is replicated (the root cause: " in wo
+    assert "its input is whole only because k, q, v are replicated (the root cause: " in wo
     assert "4 is not divisible by world size 3" in wo
     assert sm.plan.modules["fc"] == "column" and sm.plan.modules["proj"] == "row"
     _equal_on_every_rank(model, sm, torch.randn(3, 7, 48))

@@ -137,3 +137,49 @@ def test_plan_shows_each_ranks_real_share() -> None:
     sm, _ = _shard(model, 4)
     text = split_text(sm.plan.parameters["blocks.0.attn.q.weight"])
     assert text == "column@0 padded 64 (16|16|16|0)", text
+
+
+class FusedAttention(nn.Module):
+    """One q|k|v projection, cut by split (GPT-2) or by slices of different sizes (Phi-3's grouped q|k|v)."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, width: int = 40, slices: bool = False) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.slices = heads, kv_heads, head_dim, slices
+        self.qkv = nn.Linear(width, (heads + 2 * kv_heads) * head_dim)
+        self.o = nn.Linear(heads * head_dim, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        qkv, nq, nk = self.qkv(x), self.heads * self.head_dim, self.kv_heads * self.head_dim
+        if self.slices:
+            q, k, v = qkv[..., :nq], qkv[..., nq:nq + nk], qkv[..., nq + nk:]
+        else:
+            q, k, v = qkv.split([nq, nk, nk], dim=-1)
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        rep = self.heads // self.kv_heads
+        k, v = (z.repeat_interleave(rep, dim=1) for z in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+@pytest.mark.parametrize("ws, heads, kv, slices, pads", [
+    (3, 4, 4, False, (48, 48, 48)),  # GPT-2's fused q|k|v: 4 heads of 8 padded to 6 at 3 ranks, in every segment
+    (5, 8, 4, True, (80, 40, 40)),   # q 8 -> 10 heads, k and v 4 -> 5: a rank's 2 query heads use its one kv head
+])
+def test_fused_projection_pads_each_segment_by_whole_heads(ws: int, heads: int, kv: int, slices: bool,
+                                                           pads: tuple) -> None:
+    torch.manual_seed(0)
+    model = FusedAttention(heads, kv, 8, slices=slices).eval()
+    sm, warned = _shard(model, ws)
+    assert not warned, [str(w.message) for w in warned]
+    p = sm.plan.parameters["qkv.weight"]
+    assert (p.role, p.padded, p.local_shape) == ("column", pads, (sum(pads) // ws, 40))
+    assert split_text(p).endswith(")") and f"padded {'+'.join(map(str, pads))}" in split_text(p)
+    assert sorted(op for op, _ in sm.collectives()) == ["all_reduce"]
+    x = torch.randn(3, 11, 40)
+    with torch.no_grad():
+        ref = model(x)
+        for out in tpcompile.simulate(sm, x):
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    report = tpcompile.check_gradients(model.train(), sm, torch.randn(2, 9, 40))
+    assert report.ok, str(report)

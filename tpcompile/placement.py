@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence, Union
 
+Padding = Union[int, tuple[int, ...]]
+
 
 @dataclass(frozen=True)
 class Replicate:
@@ -29,7 +31,7 @@ class ParamSlice:
 
     dim: int
     segments: Optional[tuple[int, ...]] = None
-    padded: Optional[int] = None  # cut as if zero-padded to this size
+    padded: Optional[Padding] = None  # cut as if zero-padded to this size (per segment: a tuple of sizes)
     pieces: Optional[int] = None  # cut into this many pieces, each held by world_size/pieces ranks
     seg_pieces: Optional[tuple[int, ...]] = None  # per segment, its number of pieces (world size: split evenly)
 
@@ -41,7 +43,9 @@ class Shard:
     dim: int
     segments: Optional[tuple[int, ...]] = None
     seq: bool = False  # sequence parallel: tokens split outside the tensor-parallel regions
-    padded: Optional[int] = None  # size rounded up to a multiple of the world size (zeros past the end)
+    # size rounded up to a multiple of the world size (zeros past the end); with segments, a tuple: each
+    # segment's own padded size, so that a rank holds its block of each padded segment (q|k|v by whole heads)
+    padded: Optional[Padding] = None
     outer: Optional[object] = None  # the dim is `outer` repetitions of the split blocks (batch x heads)
     pieces: Optional[int] = None  # only this many distinct pieces; ranks r*pieces//ws share a piece
     split_next: Optional[int] = None  # with pieces: dim+1 is split this many ways within a piece
@@ -52,7 +56,7 @@ class Shard:
         seg = "" if self.segments is None else f"|{'+'.join(map(str, self.segments))}"
         if self.seg_pieces is not None:
             seg = "|" + "+".join(f"{s}/{g}" for s, g in zip(self.segments, self.seg_pieces))
-        pad = "" if self.padded is None else f"~{self.padded}"
+        pad = "" if self.padded is None else f"~{'+'.join(map(str, padding_sizes(self.padded)))}"
         out = "" if self.outer is None else f"x{self.outer}"
         grp = "" if self.pieces is None else f"/{self.pieces}" + ("" if self.split_next is None else f"+{self.split_next}")
         return f"S({self.dim}{seg}{pad}{out}{grp}){'seq' if self.seq else ''}"
@@ -111,6 +115,29 @@ def local_sizes(segments: Sequence[int], seg_pieces: Optional[Sequence[int]], wo
     return [s // g for s, g in zip(segments, seg_pieces or [world_size] * len(segments))]
 
 
+def padding_sizes(padded: Padding) -> tuple[int, ...]:
+    """A padding as a tuple of sizes: one for a padded dim, one per segment for padded segments."""
+    return padded if isinstance(padded, tuple) else (int(padded),)
+
+
+def padded_total(padded: Padding) -> int:
+    """The whole padded size of the dim (the sum of the padded segments)."""
+    return sum(padding_sizes(padded))
+
+
+def padded_segment_runs(segments: Sequence[int], padded: Sequence[int], rank: int,
+                        world_size: int) -> list[tuple[int, int, int, int]]:
+    """Per segment, (global start, local start, length of real data, local block) of what `rank` holds when
+    each segment is zero-padded to its own size and split evenly (its zeros past each segment's end)."""
+    out, offset, local = [], 0, 0
+    for s, pad in zip(segments, padded):
+        block = pad // world_size
+        start = min(rank * block, s)
+        out.append((offset + start, local, min(block, s - start), block))
+        offset, local = offset + s, local + block
+    return out
+
+
 def is_seq(p: object) -> bool:
     """True for a sequence-parallel (token) sharding."""
     return isinstance(p, Shard) and p.seq
@@ -140,6 +167,8 @@ def rank_pieces(sl: Any, full: int, rank: int, world_size: int) -> list[tuple[in
     if sl.pieces:  # one of `pieces` pieces, shared by world_size/pieces ranks
         size = full // sl.pieces
         return [(rank // (world_size // sl.pieces) * size, 0, size)]
+    if isinstance(sl.padded, tuple):  # each segment zero-padded to its own size
+        return [(a, loc, n) for a, loc, n, _ in padded_segment_runs(sl.segments, sl.padded, rank, world_size) if n > 0]
     out, local = [], 0
     for a, b in segment_ranges(sl.padded or full, sl.segments, rank, world_size, sl.seg_pieces):
         n = min(b, full) - a
@@ -157,7 +186,8 @@ def slice_shape(shape: Sequence[int], sl: Any, world_size: int) -> tuple[int, ..
     if sl.seg_pieces:
         out[sl.dim] = sum(s // g for s, g in zip(sl.segments, sl.seg_pieces))
     else:
-        out[sl.dim] = shape[sl.dim] // sl.pieces if sl.pieces else (sl.padded or shape[sl.dim]) // world_size
+        full = padded_total(sl.padded) if sl.padded else shape[sl.dim]
+        out[sl.dim] = shape[sl.dim] // sl.pieces if sl.pieces else full // world_size
     return tuple(out)
 
 
@@ -193,7 +223,7 @@ def local_shape(shape: Sequence[Any], p: Any, rank: int, world_size: int) -> tup
         if p.split_next and p.dim + 1 < len(out):
             out[p.dim + 1] = out[p.dim + 1] // p.split_next
     elif p.padded:
-        out[p.dim] = p.padded // world_size
+        out[p.dim] = padded_total(p.padded) // world_size
     elif p.segments and isinstance(size, int):
         out[p.dim] = sum(b - a for a, b in segment_ranges(size, p.segments, rank, world_size, p.seg_pieces))
     else:

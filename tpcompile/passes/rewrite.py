@@ -17,8 +17,8 @@ from tpcompile.passes.rewrite_dropout import emit_dropout, emit_sdpa_with_dropou
 from tpcompile.passes.rewrite_regions import emit_region, is_region
 from tpcompile.passes.rewrite_slices import gather_tokens, local_slice, reduce_scatter_tokens
 from tpcompile.passes.rewrite_stats import emit_stats, is_stats
-from tpcompile.placement import (REPLICATE, Partial, Replicate, Shard, is_seq, local_shape, local_sizes, shape_key,
-                                 slice_shape)
+from tpcompile.placement import (REPLICATE, Partial, Replicate, Shard, is_seq, local_shape, local_sizes, padded_total,
+                                 shape_key, slice_shape)
 from tpcompile.sharding_rules.rule_context import Want, weight_view
 
 aten = torch.ops.aten
@@ -285,7 +285,8 @@ def _localize_one(em: _Emitter, node: Node, args: list, kind: str, i: int, pos: 
         if isinstance(sizes[pos], int) and sizes[pos] != -1:
             p = node.meta.get("tp_placement")
             padded = getattr(p, "padded", None) if isinstance(p, Shard) else None
-            sizes[pos] = (padded or sizes[pos]) // ws if ws == em.ws else sizes[pos] // ws
+            full = padded_total(padded) if padded else sizes[pos]
+            sizes[pos] = full // ws if ws == em.ws else sizes[pos] // ws
         elif isinstance(sizes[pos], Node):
             with em.graph.inserting_before(node):
                 sizes[pos] = em.call(operator.floordiv, sizes[pos], ws)

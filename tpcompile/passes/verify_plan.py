@@ -14,7 +14,7 @@ from torch.fx import GraphModule, Node
 
 from tpcompile.errors import TPCompileError
 from tpcompile.passes.pass_context import PassContext, describe, owner_path
-from tpcompile.placement import segment_ranges, slice_placement
+from tpcompile.placement import padded_segment_runs, segment_ranges, slice_placement
 
 REPORT = "this is a tpcompile bug; please report it with the model"
 
@@ -63,6 +63,8 @@ def check_tiling(name: str, shape: tuple, sl: Any, world_size: int) -> None:
         raise TPCompileError(f"parameter {name} of shape {list(shape)} is split on dim {sl.dim}, which it "
                              f"does not have; {way_out}")
     size = shape[sl.dim]
+    if isinstance(sl.padded, tuple):  # segments each zero-padded to its own size
+        return _check_padded_segments(name, size, sl, world_size, way_out)
     full = sl.padded or size
     if full < size or (sl.segments and sum(sl.segments) != full):
         raise TPCompileError(f"parameter {name}: split size {full} (segments {sl.segments}) does not match its "
@@ -89,3 +91,19 @@ def check_tiling(name: str, shape: tuple, sl: Any, world_size: int) -> None:
         raise TPCompileError(f"slices of parameter {name} cover {pos} of {full} along dim {sl.dim}; {way_out}")
 
 
+def _check_padded_segments(name: str, size: int, sl: Any, world_size: int, way_out: str) -> None:
+    """Raise unless each segment's padding holds it, splits evenly, and the ranks' real runs tile the dim."""
+    segs, pads = tuple(sl.segments or ()), tuple(sl.padded)
+    if len(segs) != len(pads) or sum(segs) != size or any(p < s or p % world_size for s, p in zip(segs, pads)):
+        raise TPCompileError(f"parameter {name}: segments {segs} padded to {pads} do not fit its dim {sl.dim} of "
+                             f"size {size} split {world_size} ways; {way_out}")
+    runs = sorted((a, a + n) for r in range(world_size)
+                  for a, _, n, _ in padded_segment_runs(segs, pads, r, world_size) if n > 0)
+    pos = 0
+    for a, b in runs:
+        if a != pos:
+            raise TPCompileError(f"slices of parameter {name} along dim {sl.dim} leave a gap or overlap at index "
+                                 f"{min(a, pos)} (runs {runs}); {way_out}")
+        pos = b
+    if pos != size:
+        raise TPCompileError(f"slices of parameter {name} cover {pos} of {size} along dim {sl.dim}; {way_out}")

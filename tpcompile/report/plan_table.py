@@ -14,6 +14,7 @@ from rich.table import Table
 from tpcompile.ops.collectives import CollectiveEvent
 from tpcompile.ops.schedule import FORWARD_COLLECTIVES, collective_op
 from tpcompile.passes.pass_context import module_path
+from tpcompile.placement import padding_sizes
 from tpcompile.report.units import format_bytes as _bytes
 from tpcompile.report.wording import replicated_modules, short_reason, short_warning
 
@@ -72,9 +73,11 @@ def split_text(pp: Any) -> str:
     if pp.segments and len(pp.segments) > 1:
         text += " " + "|".join(map(str, pp.segments))
     if pp.padded:  # and what each rank holds of the real size, the rest zeros: 'padded 64 (16|16|16|0)'
-        block, full = pp.local_shape[pp.dim], pp.global_shape[pp.dim]
-        held = [max(0, min(block, full - r * block)) for r in range(pp.padded // block)]
-        text += f" padded {pp.padded} ({'|'.join(map(str, held))})"
+        pads = padding_sizes(pp.padded)
+        segs = pp.segments if len(pads) > 1 else (pp.global_shape[pp.dim],)
+        ws = sum(pads) // pp.local_shape[pp.dim]
+        held = [sum(max(0, min(p // ws, s - r * (p // ws))) for s, p in zip(segs, pads)) for r in range(ws)]
+        text += f" padded {'+'.join(map(str, pads))} ({'|'.join(map(str, held))})"
     if pp.pieces:
         text += f" {pp.pieces} pieces"
     return text

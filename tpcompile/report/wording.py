@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 # S(dim[|seg+seg...][~padded][xouter][/pieces[+split_next]])[seq], as placement.Shard.__str__ writes it
-_SHARD = re.compile(r"S\((?P<dim>\d+)(?:\|(?P<segs>\d+(?:\+\d+)*))?(?:~(?P<pad>\d+))?(?:x(?P<outer>[^)/]+))?"
+_SHARD = re.compile(r"S\((?P<dim>\d+)(?:\|(?P<segs>\d+(?:\+\d+)*))?(?:~(?P<pad>\d+(?:\+\d+)*))?(?:x(?P<outer>[^)/]+))?"
                     r"(?:/(?P<pieces>\d+)(?:\+(?P<next>\d+))?)?\)(?P<seq>seq)?")
 # R only where it stands for a placement: "is R", "(R, S(0))", "needs R"
 _REPLICATE = re.compile(r"(?<=\bis )R\b|(?<=\bneeds it )R\b|(?<=[(,] )R\b|(?<=\()R(?=[,)])")
@@ -28,7 +28,8 @@ def shard_in_words(m: re.Match) -> str:
     if m["segs"]:
         extra.append(f"each of the segments {', '.join(m['segs'].split('+'))} split")
     if m["pad"]:
-        extra.append(f"padded to {m['pad']}")
+        pads = m["pad"].split("+")
+        extra.append(f"padded to {pads[0]}" if len(pads) == 1 else f"the segments padded to {', '.join(pads)}")
     if m["outer"]:
         extra.append(f"within each of {m['outer']} blocks")
     if m["pieces"]:

@@ -41,6 +41,8 @@ def repeat_interleave(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if dim != p.dim:
         return Result(p, [Want(x, p)])
     if p.pieces is None:
+        if p.plain_padded:  # each rank repeats its padded entries: the padding, repeated, stays at the end
+            return Result(replace(p, padded=p.padded * repeats), [Want(x, p)])
         if p.padded is not None or p.outer is not None:
             return _fail(x, f"repeats along a dim split as {p}")
         segments = None if p.segments is None else tuple(s * repeats for s in p.segments)

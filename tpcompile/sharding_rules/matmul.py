@@ -44,14 +44,17 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
             return Result(REPLICATE, [Want(x, REPLICATE)], role="replicated", params=params, note=why)
         segments = ctx.segment_hint(node) or (wshape[out_dim],)
         counts = head_pieces(segments, spec.get("heads"), ctx.world_size)
-        unit = _unit(segments[0], spec.get("heads")) if len(segments) == 1 and counts[0] == ctx.world_size else 1
-        bad = [s for s, g in zip(segments, counts) if s % (g * unit)]  # a single segment keeps its heads whole
-        padded = None
-        if bad and len(segments) > 1:
+        heads = spec.get("heads")
+        units = [_unit(s, heads[i] if heads and i < len(heads) else None) if g == ctx.world_size else 1
+                 for i, (s, g) in enumerate(zip(segments, counts))]
+        bad = [s for s, g, u in zip(segments, counts, units) if s % (g * u)]  # each rank keeps whole heads
+        padded: Any = None
+        if bad and len(segments) > 1 and any(g < ctx.world_size for g in counts):
             return Result(REPLICATE, [Want(x, REPLICATE)], role="replicated", params=params,
                           demote_self=f"segment {bad[0]} not divisible by world size {ctx.world_size}")
-        if bad:  # zero-padded to a multiple of the world size; fine up to a row split or the output
-            padded = padded_size(wshape[out_dim], ctx.world_size * unit)
+        if bad:  # zero-padded to a multiple of the world size (each segment to its own); fine up to a row split
+            pads = tuple(padded_size(s, ctx.world_size * u) for s, u in zip(segments, units))
+            padded = pads[0] if len(pads) == 1 else pads
         pieces = ctx.pieces_of(node) or (counts[0] if len(segments) == 1 and counts[0] < ctx.world_size else None)
         if pieces:  # fewer pieces than ranks: each held by several ranks (MQA's one kv head: by all)
             segments, padded, counts = (wshape[out_dim],), None, [ctx.world_size]
@@ -78,9 +81,8 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
                   conflict=f"input is sharded on dim {px.dim}, not on the contracted dim")
 
 
-def _unit(size: int, heads: Optional[tuple]) -> int:
-    """The unit a split of `size` features must not cut: its head size when a reshape splits it into heads, else 1."""
-    d = heads[0] if heads else None
+def _unit(size: int, d: Optional[int]) -> int:
+    """The unit a split of `size` features must not cut: its head size d when a reshape splits it into heads, else 1."""
     return d if d and size % d == 0 else 1
 
 

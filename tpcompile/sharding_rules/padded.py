@@ -9,8 +9,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional, Sequence
 
-from tpcompile.placement import Shard
-from tpcompile.sharding_rules.rule_context import Size, prod
+import torch
+from torch.fx import Node
+
+from tpcompile.placement import REPLICATE, Shard, padding_sizes
+from tpcompile.sharding_rules.rule_context import Result, Size, Want, prod
 
 
 def padded_reshape(p: Shard, gi: Sequence[int], gj: Sequence[int], ins: Sequence[Size], outs: Sequence[Size],
@@ -35,3 +38,33 @@ def padded_reshape(p: Shard, gi: Sequence[int], gj: Sequence[int], ins: Sequence
             return None, why
         return replace(p, dim=d, padded=full * inner // q), ""
     return None, why
+
+
+def split_padded_segments(node: Node, p: Shard, sizes: list[int], ws: int) -> Result:
+    """split / chunk of a dim whose segments are each padded (a fused q|k|v by whole heads): every piece must be
+    whole segments, and takes their padding; the local sizes are the padded ones over the ranks."""
+    x, segs, pads = node.args[0], list(p.segments), list(padding_sizes(p.padded))
+    outs, local, k = [], [], 0
+    for want in sizes:
+        got, pad = [], []
+        while k < len(segs) and sum(got) < want:
+            got.append(segs[k]); pad.append(pads[k]); k += 1
+        if sum(got) != want:
+            return Result(tuple(REPLICATE for _ in sizes), [Want(x, REPLICATE)],
+                          conflict=f"split into {sizes} cuts through the padded segments {tuple(segs)}")
+        outs.append(padded_piece(p.dim, got, pad))
+        local.append(sum(pad) // ws)
+    by_size = node.target in (torch.ops.aten.chunk.default, torch.ops.aten.split.Tensor)  # one size for all
+    if by_size and len(set(local[:-1])) > 1 or by_size and local[-1] > local[0]:
+        return Result(tuple(REPLICATE for _ in sizes), [Want(x, REPLICATE)],
+                      conflict=f"{node.target} of padded segments whose parts differ in size on a rank ({local})")
+    loc = None if node.target is torch.ops.aten.chunk.default else [("set", 1, local[0] if by_size else local, None)]
+    return Result(tuple(outs), [Want(x, p)], localize=loc)
+
+
+def padded_piece(dim: int, segments: Sequence[int], pads: Sequence[int]) -> Shard:
+    """The split of whole segments cut from padded segments: plain, padded, or still padded per segment."""
+    even = all(g == q for g, q in zip(segments, pads))
+    if len(segments) == 1:
+        return Shard(dim) if even else Shard(dim, padded=pads[0])
+    return Shard(dim, tuple(segments)) if even else Shard(dim, tuple(segments), padded=tuple(pads))

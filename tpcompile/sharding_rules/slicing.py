@@ -12,6 +12,7 @@ from typing import Any, Optional
 from torch.fx import Node
 
 from tpcompile.placement import REPLICATE, Replicate, Shard, local_sizes, moved, shard_of, split_dims
+from tpcompile.sharding_rules.padded import padded_piece
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim, sizes_equal
 from tpcompile.sharding_rules.table import RuleSpec
@@ -51,7 +52,9 @@ def slice_(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return Result(p, [Want(x, p)])
     args = list(node.args) + [None] * (5 - len(node.args))
     start, end = (_bound(args[2], size, 0), _bound(args[3], size, size)) if isinstance(size, int) else (None, None)
-    if start is None or end is None or args[4] not in (None, 1) or p.padded or p.outer or p.pieces:
+    per_segment = isinstance(p.padded, tuple)  # segments each padded to its own size: slices of whole ones
+    if start is None or end is None or args[4] not in (None, 1) or (p.padded and not per_segment) or p.outer \
+            or p.pieces:
         return _fail(node, "slice along the split dim")
     segs, ws = list(p.segments or (size,)), ctx.world_size
     counts = list(p.seg_pieces or [ws] * len(segs))
@@ -59,8 +62,13 @@ def slice_(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if start not in bounds or end not in bounds or start >= end:
         return _fail(node, f"slice [{start}:{end}] along the split dim cuts through its segments {tuple(segs)}")
     i0, i1 = bounds.index(start), bounds.index(end)
-    out = shard_of(dim, segs[i0:i1], counts[i0:i1], ws)
     present = [i for i in (2, 3) if i < len(node.args) and isinstance(node.args[i], int)]
+    if per_segment:
+        pads = list(p.padded)
+        at = {2: sum(pads[:i0]) // ws, 3: sum(pads[:i1]) // ws}
+        return Result(padded_piece(dim, segs[i0:i1], pads[i0:i1]), [Want(x, p)],
+                      localize=[("set", i, at[i], None) for i in present])
+    out = shard_of(dim, segs[i0:i1], counts[i0:i1], ws)
     if p.seg_pieces is None:  # every segment split evenly: a boundary's local position is the global one / ws
         return Result(out, [Want(x, p)], localize=[("split", i, dim, None) for i in present])
     local = local_sizes(segs, counts, ws)  # segments of fewer pieces than ranks keep more of their size
