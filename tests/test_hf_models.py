@@ -105,16 +105,17 @@ def test_kv_heads_fewer_than_ranks_are_shared_pieces(name: str) -> None:
             torch.testing.assert_close(out.logits, ref, atol=1e-4, rtol=0)
 
 
-def test_hf_heads_not_divisible_warns_and_matches() -> None:
-    """GPT-2 with 6 heads at 4 ranks: attention replicated, warned by layer and reason."""
+def test_hf_gpt2_heads_not_divisible_are_padded_in_each_segment() -> None:
+    """GPT-2 with 6 heads at 4 ranks: c_attn's q, k and v segments each padded to 8 heads, 2 a rank, no warning."""
     from hf_models import ARCHS as all_archs
     arch = next(a for a in all_archs if a.name == "gpt2")
     model = build(arch, n_head=6, n_embd=48)
-    with pytest.warns(tpcompile.TPCompileWarning) as rec:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpcompile.TPCompileWarning)
         sm = tpcompile.shard(model, 4, example_kwargs=inputs(arch, 2, 8))
-    text = " ".join(str(w.message) for w in rec)
-    assert "transformer.h.0.attn" in text and "6 is not divisible by world size 4" in text
-    assert sm.plan.modules["transformer.h.0.attn.c_attn"] == "replicated"
+    p = sm.plan.parameters["transformer.h.0.attn.c_attn.weight"]
+    assert (p.role, p.segments, p.padded, p.local_shape) == ("column", (48, 48, 48), (64, 64, 64), (48, 48))
+    assert sm.plan.parameters["transformer.h.0.attn.c_proj.weight"].local_shape == (16, 48)
     kw = inputs(arch, 2, 9)
     with torch.no_grad():
         ref = model(**kw).logits

@@ -105,11 +105,12 @@ def test_padded_heads_gradients_agree() -> None:
 
 
 def test_kv_heads_that_cannot_line_up_are_replicated_by_choice() -> None:
-    """12 query heads at 3 ranks split 4|4|4; 4 kv heads cannot follow them, so each rank keeps every kv head."""
-    model = _net(12, 4, head_dim=4, width=40)
-    sm, warned = _shard(model, 3)
+    """12 query heads on 2 kv heads at 5 ranks: query heads padded to 15, 3 a rank; whole groups of 6 would hold
+    more, so each rank keeps both kv heads (kv-head replication), without a warning."""
+    model = _net(12, 2, head_dim=4, width=40)
+    sm, warned = _shard(model, 5)
     assert not warned, [str(w.message) for w in warned]
-    assert sm.plan.parameters["blocks.0.attn.q.weight"].local_shape == (16, 40)
+    assert sm.plan.parameters["blocks.0.attn.q.weight"].local_shape == (12, 40)
     assert sm.plan.parameters["blocks.0.attn.k.weight"].role == "replicated"
     why = sm.plan.replicated["blocks.0.attn.k"]
     assert "kv-head replication" in why and "do not line up with the query heads" in why
@@ -182,4 +183,25 @@ def test_fused_projection_pads_each_segment_by_whole_heads(ws: int, heads: int, 
         for out in tpcompile.simulate(sm, x):
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
     report = tpcompile.check_gradients(model.train(), sm, torch.randn(2, 9, 40))
+    assert report.ok, str(report)
+
+
+@pytest.mark.parametrize("ws, q_rows, kv_rows", [(3, 18 * 4 // 3, 8), (6, 18 * 4 // 6, 4), (8, 24 * 4 // 8, 4)])
+def test_query_heads_padded_by_whole_kv_groups_when_that_holds_less(ws: int, q_rows: int, kv_rows: int) -> None:
+    """12 query heads on 4 kv heads at 3, 6 and 8 ranks: whole groups (a kv head and its 3 query heads, the last
+    ranks' zeros) hold fewer bytes than the query heads split beside all 4 kv heads (as many at 3 ranks, where the
+    kv heads split wins the tie), so the groups are padded, not the kv heads replicated."""
+    model = _net(12, 4, head_dim=4, width=40)
+    sm, warned = _shard(model, ws)
+    assert not warned, [str(w.message) for w in warned]
+    q, k = sm.plan.parameters["blocks.0.attn.q.weight"], sm.plan.parameters["blocks.0.attn.k.weight"]
+    assert (q.role, q.local_shape) == ("column", (q_rows, 40)) and (k.role, k.local_shape) == ("column", (kv_rows, 40))
+    assert not sm.plan.replicated
+    assert sorted(op for op, _ in sm.collectives()) == ["all_reduce"] * 4
+    x = torch.randn(2, 11, 40)
+    with torch.no_grad():
+        ref = model(x)
+        for out in tpcompile.simulate(sm, x):
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    report = tpcompile.check_gradients(model.train(), sm, torch.randn(2, 7, 40))
     assert report.ok, str(report)

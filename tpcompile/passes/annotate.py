@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
+from tpcompile.passes.head_groups import mark_head_groups
 from tpcompile.passes.param_pieces import mark_pieces
 from tpcompile.passes.pass_context import PassContext, module_path, owner_path
 from tpcompile.passes.size_equalities import record_size_equalities
@@ -46,6 +47,7 @@ def annotate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
         node.meta["tp_rule"] = _contraction(node, ctx) or spec
     mark_pieces(gm, ctx)  # linears reading row pieces of a parameter: each piece a weight of its own
     mark_kept_whole(gm, ctx)
+    mark_head_groups(gm, ctx)  # grouped-query attention best split by whole groups of query heads
     return gm
 
 

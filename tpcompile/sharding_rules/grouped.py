@@ -10,11 +10,11 @@ last dim, is never the one split within a piece; a view whose group dim a later 
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 from torch.fx import Node
 
-from tpcompile.placement import Shard
+from tpcompile.placement import Shard, moved
 from tpcompile.sharding_rules.rule_context import RuleContext, Size, norm_dim, readers, sizes_equal
 from tpcompile.sharding_rules.table import lookup
 
@@ -64,3 +64,10 @@ def cut_later(node: Node, d: int, limit: int = 16) -> bool:
             elif rule == "permute":
                 todo.append((u, [norm_dim(x, len(u.args[1])) for x in u.args[1]].index(d)))
     return False
+
+
+def on_one(p: Shard, shape: Sequence) -> Shard:
+    """A one-piece split (whole on every rank) moved to the last dim of size 1 before it, where the heads
+    of multi-query attention are broadcast from (so that expand splits them among the ranks)."""
+    ones = [d for d in range(p.dim) if shape[d] == 1]
+    return moved(p, ones[-1]) if p.pieces == 1 and ones else p

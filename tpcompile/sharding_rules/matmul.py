@@ -43,10 +43,12 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         if why:
             return Result(REPLICATE, [Want(x, REPLICATE)], role="replicated", params=params, note=why)
         segments = ctx.segment_hint(node) or (wshape[out_dim],)
-        counts = head_pieces(segments, spec.get("heads"), ctx.world_size)
+        counts = head_pieces(segments, spec.get("heads"), ctx.world_size) if not spec.get("unit") else [ctx.world_size]
         heads = spec.get("heads")
         units = [_unit(s, heads[i] if heads and i < len(heads) else None) if g == ctx.world_size else 1
                  for i, (s, g) in enumerate(zip(segments, counts))]
+        if spec.get("unit") and len(segments) == 1:  # heads padded by whole kv groups (passes/head_groups.py)
+            units = [_unit(segments[0], spec.get("unit"))]
         bad = [s for s, g, u in zip(segments, counts, units) if s % (g * u)]  # each rank keeps whole heads
         padded: Any = None
         if bad and len(segments) > 1 and any(g < ctx.world_size for g in counts):

@@ -9,7 +9,7 @@ import torch
 from torch.fx import Node
 
 from tpcompile.placement import REPLICATE, Replicate, Shard, local_sizes, moved, shard, shard_of, split_dims
-from tpcompile.sharding_rules.grouped import cut_later, grouped
+from tpcompile.sharding_rules.grouped import cut_later, grouped, on_one
 from tpcompile.sharding_rules.padded import padded_reshape, split_padded_segments
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import (Result, RuleContext, Size, Want, exact_size, norm_dim, period,
@@ -244,13 +244,6 @@ def _dim(node: Node, spec: RuleSpec, ndim: int) -> int:
     return norm_dim(dim, ndim)
 
 
-def _on_one(p: Shard, shape: Sequence) -> Shard:
-    """A one-piece split (whole on every rank) moved to the last dim of size 1 before it, where the heads
-    of multi-query attention are broadcast from (so that expand splits them among the ranks)."""
-    ones = [d for d in range(p.dim) if shape[d] == 1]
-    return moved(p, ones[-1]) if p.pieces == 1 and ones else p
-
-
 @rule("split", args=_ALONG)
 def split(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """split / split_with_sizes / chunk: pieces along the sharded dim must be whole segments."""
@@ -278,7 +271,7 @@ def split(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         if sum(got) != want:
             return _fail(node, f"split into {[int(s[dim]) for s in pieces]} cuts through the per-rank "
                                f"blocks {segs} of dim {dim}")
-        outs.append(_on_one(shard_of(dim, got, gs, ws), shape))
+        outs.append(on_one(shard_of(dim, got, gs, ws), shape))
         local.append(sum(local_sizes(got, gs, ws)))
     if any(int(s[dim]) % ws for s, o in zip(pieces, outs) if o.pieces is None and o.seg_pieces is None):
         return _fail(node, "a split piece is not divisible by the world size")

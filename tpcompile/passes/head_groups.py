@@ -1,0 +1,84 @@
+"""Grouped-query attention whose kv heads the world size does not divide: pad the query heads by whole groups.
+
+With Hq query heads sharing kv heads in groups of n_rep (Hq = kv x n_rep), a split by heads keeps each
+rank's query heads with the kv heads they read only if a rank holds whole groups. When the world size
+does not divide the kv heads, nor is a multiple of them that divides the query heads (4 kv heads for 12
+query heads at 3, 6 or 8 ranks), there are two
+exact ways to split the attention:
+
+- kv-head replication: query heads split ceil(Hq / ws) a rank, the kv projections whole on every rank
+  (sharding_rules/matmul.py `sdpa` makes that choice when the layouts do not line up);
+- whole groups: kv heads zero-padded to ceil(kv / ws) a rank, the query heads padded to n_rep times that,
+  so that rank r's query heads are exactly those of its kv heads.
+
+This pass finds each attention's query, key and value projections (through the views, transposes, rotary
+embedding and kv repeats between them) and, where whole groups hold fewer parameter bytes on the largest
+rank (query and output projections against key and value projections, one head each; on a tie too, as
+the kv heads, and a KV cache of them, are then split), marks the query
+projection's `unit` as a group of heads (n_rep x head_dim) and the key and value projections' as one head;
+the matmul rule then pads the query heads to whole groups and the kv heads to a multiple of the ranks.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.fx import GraphModule, Node
+
+from tpcompile.passes.pass_context import PassContext
+from tpcompile.sharding_rules import RuleSpec
+from tpcompile.sharding_rules.rule_context import weight_view
+
+_SDPA = (torch.ops.aten.scaled_dot_product_attention.default,)
+_WALK = 24  # nodes visited back from an attention input before giving up
+
+
+def mark_head_groups(gm: GraphModule, ctx: PassContext) -> None:
+    """Set `unit` on the query projection of each grouped-query attention best split by whole groups."""
+    ws = ctx.world_size
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _SDPA or len(node.args) < 3:
+            continue
+        found = [_projection(a, ctx) for a in node.args[:3]]
+        q_val = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
+        if any(f is None for f in found) or len({id(f) for f in found}) < 3 or q_val is None:
+            continue  # a fused q|k|v (one projection) is cut by its segments instead
+        hd = int(q_val.shape[-1])
+        q, k, v = (int(f.meta["val"].shape[-1]) for f in found)
+        if k != v or q % hd or k % hd:
+            continue
+        heads, kv = q // hd, k // hd
+        if kv == 0 or heads % kv or heads == kv or kv % ws == 0 or ws % kv == 0 and heads % ws == 0:
+            continue  # kv heads split evenly, or in pieces shared by the ranks of whole query heads
+        rep = heads // kv
+        groups = 2 * -(-kv // ws) * rep + 2 * -(-kv // ws)  # q and o heads, k and v heads: padded groups
+        replicated = 2 * -(-heads // ws) + 2 * kv  # q and o split by heads, k and v whole
+        if groups <= replicated:  # q by whole groups; k and v padded by heads, not in pieces shared by ranks
+            for proj, unit in zip(found, (rep * hd, hd, hd)):
+                spec = proj.meta["tp_rule"]
+                proj.meta["tp_rule"] = RuleSpec(spec.rule, {**spec.args, "unit": unit})
+
+
+def _projection(arg: object, ctx: PassContext) -> Optional[Node]:
+    """The one linear with a 2-D parameter weight that an attention input is computed from, if there is one."""
+    if not isinstance(arg, Node):
+        return None
+    todo, seen, found = [arg], set(), []
+    while todo and len(seen) < _WALK:
+        n = todo.pop(0)
+        if n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        spec = n.meta.get("tp_rule")
+        if spec is not None and spec.rule == "weight_matmul" and _has_weight(n, spec, ctx):
+            found.append(n)
+            continue
+        todo.extend(n.all_input_nodes)
+    return found[0] if len(found) == 1 else None
+
+
+def _has_weight(node: Node, spec: RuleSpec, ctx: PassContext) -> bool:
+    i = spec.get("weight")
+    w, _ = weight_view(node.args[i]) if i is not None and i < len(node.args) else (None, False)
+    t = ctx.tensors.get(w.target) if w is not None else None
+    return isinstance(t, torch.nn.Parameter) and t.dim() == 2
