@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import re
 
+import warnings
+
 import pytest
 import torch
 
@@ -96,15 +98,15 @@ def test_tied_weights_stay_one_parameter() -> None:
     assert gm.get_parameter("lm_head.weight").shape == (128, 64)
 
 
-def test_head_count_not_divisible_is_replicated_with_warning() -> None:
-    """6 heads at 4 ranks: attention is replicated, the warning names the layer and why."""
+def test_head_count_not_divisible_is_padded_by_whole_heads() -> None:
+    """6 heads at 4 ranks: q, k and v each padded to 8 heads, 2 a rank (the last rank one real head), no warning."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_head=6, n_embd=48)).eval()
-    with pytest.warns(tpcompile.TPCompileWarning) as rec:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpcompile.TPCompileWarning)
         sm = tpcompile.shard(model, 4)
-    text = " ".join(str(w.message) for w in rec)
-    assert "transformer.h.0.attn" in text and "6 is not divisible by world size 4" in text
-    assert sm.plan.modules["transformer.h.0.attn.c_attn"] == "replicated"
+    assert sm.plan.modules["transformer.h.0.attn.c_attn"] == "column"
+    assert sm.plan.parameters["transformer.h.0.attn.c_attn.weight"].padded == (64, 64, 64)
     assert sm.plan.modules["transformer.h.0.mlp.c_fc"] == "column"
     idx = _idx(2, 13)
     with torch.no_grad():

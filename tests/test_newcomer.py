@@ -254,12 +254,13 @@ def test_warnings_for_fixed_sizes_say_whose_size_it_is() -> None:
     assert "size 2 or more" in one
 
 
-def test_generation_keeps_its_warnings_and_pads_like_hf(capsys: pytest.CaptureFixture[str]) -> None:
-    """generate -w 3 on 4 heads shows why nothing split; shard_generation pads finished rows with pad_token_id."""
+def test_generation_splits_uneven_heads_and_pads_like_hf(capsys: pytest.CaptureFixture[str]) -> None:
+    """generate -w 3 on 4 heads splits the cache (heads padded to 6, 2 a rank: half the cache on a rank) and
+    warns nothing; shard_generation pads finished rows with pad_token_id."""
     assert main(["generate", "gpt", "-w", "3", "--prompt-len", "4", "--max-new-tokens", "2"]) == 0
     out, err = capsys.readouterr()
-    assert "warning: replicating " in err and "not divisible by world size 3" in err
-    assert "(not split: every rank holds all of it, see the warnings)" in out
+    assert "warning" not in err
+    assert "cache per rank 3.0 KiB of 6.0 KiB unsharded\n" in out and "OK: all 3 ranks generated" in out
     gen = tpcompile.shard_generation(build("gpt"), 1, max_seq_len=12, max_batch_size=2)
 
     def run(ids: torch.Tensor, **kw: object) -> torch.Tensor:
