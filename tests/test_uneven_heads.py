@@ -205,3 +205,23 @@ def test_query_heads_padded_by_whole_kv_groups_when_that_holds_less(ws: int, q_r
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
     report = tpcompile.check_gradients(model.train(), sm, torch.randn(2, 7, 40))
     assert report.ok, str(report)
+
+
+def test_expert_features_the_world_size_does_not_divide_are_padded() -> None:
+    """Qwen2-MoE's experts (32 features, gate|up fused in one 3-D weight) at 3 ranks: each segment padded to 33,
+    11 a rank, no warning, every rank under 1.2 / 3 of the parameters, the logits exact."""
+    from hf_models import ALL_ARCHS, build, held_share, inputs
+
+    arch = next(a for a in ALL_ARCHS if a.name == "qwen2_moe")
+    model = build(arch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpcompile.TPCompileWarning)
+        sm = tpcompile.shard(model, 3, example_kwargs=inputs(arch, 2, 8))
+    cut = {n: p for n, p in sm.plan.parameters.items() if n.startswith("model.layers.0.mlp.experts.")}
+    assert cut and all(p.padded in (33, (33, 33)) for p in cut.values()), cut
+    assert held_share(model, sm) * 3 < 1.2
+    kw = inputs(arch, 3, 13)
+    with torch.no_grad():
+        ref = model(**kw).logits
+        for out in tpcompile.simulate(sm, **kw):
+            torch.testing.assert_close(out.logits, ref, atol=1e-4, rtol=0)
