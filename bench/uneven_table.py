@@ -26,7 +26,7 @@ import tpcompile  # noqa: E402
 
 WORLD_SIZES = (3, 5, 6, 8)
 COUNTS = dict(num_attention_heads=12, num_key_value_heads=4, hidden_size=96, intermediate_size=200,
-              ffn_dim=200, vocab_size=250)
+              ffn_dim=200, vocab_size=250, word_embed_proj_dim=96)
 EXAMPLE, RUN = (2, 8), (3, 13)
 TOLERANCE = 1e-4
 MARKERS = ("<!-- uneven:start -->", "<!-- uneven:end -->")

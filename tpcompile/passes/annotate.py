@@ -211,12 +211,26 @@ def _head_size(value: Node, width: int) -> Optional[int]:
             seen.add(u)
             spec = lookup(u.target)
             val = u.meta.get("val")
-            if spec is not None and spec.rule == "reshape" and isinstance(val, torch.Tensor) and val.dim() >= 2 \
-                    and all(isinstance(v, int) for v in val.shape[-2:]) and val.shape[-2] * val.shape[-1] == width \
-                    and _last_dim(n) == width:
-                return int(val.shape[-1])
+            heads = _heads_dim(val, width) if spec is not None and spec.rule == "reshape" else None
+            if heads is not None and _last_dim(n) == width:  # (.., h, d) or (.., h, 3, d): d or 3d a head
+                return width // heads
             if spec is not None and spec.rule in ("pointwise", "transpose", "reshape") and _last_dim(u) == width:
                 todo.append(u)
+    return None
+
+
+def _heads_dim(val: object, width: int) -> Optional[int]:
+    """h for a reshape's output (..., h, *rest) whose dims from h on hold `width` elements (rest not empty), as
+    (.., heads, head_dim), multi-query's (.., 1, head_dim) or GPT-NeoX's (.., heads, 3, head_dim) do."""
+    if not isinstance(val, torch.Tensor) or val.dim() < 2 or not isinstance(val.shape[-1], int):
+        return None
+    prod = int(val.shape[-1])
+    for d in range(val.dim() - 2, -1, -1):
+        if not isinstance(val.shape[d], int) or prod > width:
+            return None
+        prod *= int(val.shape[d])
+        if prod == width:
+            return int(val.shape[d])
     return None
 
 

@@ -12,7 +12,7 @@ exact ways to split the attention:
   so that rank r's query heads are exactly those of its kv heads.
 
 This pass finds each attention's query, key and value projections (through the views, transposes, rotary
-embedding and kv repeats between them) and, where whole groups hold fewer parameter bytes on the largest
+embedding and kv repeats between them; one fused q|k|v projection's three segments too) and, where whole groups hold fewer parameter bytes on the largest
 rank (query and output projections against key and value projections, one head each; on a tie too, as
 the kv heads, and a KV cache of them, are then split), marks the query
 projection's `unit` as a group of heads (n_rep x head_dim) and the key and value projections' as one head;
@@ -30,7 +30,7 @@ from tpcompile.sharding_rules import RuleSpec
 from tpcompile.sharding_rules.rule_context import weight_view
 
 _SDPA = (torch.ops.aten.scaled_dot_product_attention.default,)
-_WALK = 24  # nodes visited back from an attention input before giving up
+_WALK = 64  # nodes visited back from an attention input before giving up
 
 
 def mark_head_groups(gm: GraphModule, ctx: PassContext) -> None:
@@ -41,10 +41,14 @@ def mark_head_groups(gm: GraphModule, ctx: PassContext) -> None:
             continue
         found = [_projection(a, ctx) for a in node.args[:3]]
         q_val = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
-        if any(f is None for f in found) or len({id(f) for f in found}) < 3 or q_val is None:
-            continue  # a fused q|k|v (one projection) is cut by its segments instead
+        if any(f is None for f in found) or q_val is None:
+            continue
+        fused = len({id(f) for f in found}) == 1  # one q|k|v projection (Phi-3): its three segments
+        segments = found[0].meta["tp_rule"].get("segments") if fused else None
+        if fused and (segments is None or len(segments) != 3) or not fused and len({id(f) for f in found}) < 3:
+            continue
         hd = int(q_val.shape[-1])
-        q, k, v = (int(f.meta["val"].shape[-1]) for f in found)
+        q, k, v = segments or (int(f.meta["val"].shape[-1]) for f in found)
         if k != v or q % hd or k % hd:
             continue
         heads, kv = q // hd, k // hd
@@ -54,7 +58,8 @@ def mark_head_groups(gm: GraphModule, ctx: PassContext) -> None:
         groups = 2 * -(-kv // ws) * rep + 2 * -(-kv // ws)  # q and o heads, k and v heads: padded groups
         replicated = 2 * -(-heads // ws) + 2 * kv  # q and o split by heads, k and v whole
         if groups <= replicated:  # q by whole groups; k and v padded by heads, not in pieces shared by ranks
-            for proj, unit in zip(found, (rep * hd, hd, hd)):
+            units = (rep * hd, hd, hd)
+            for proj, unit in zip(found[:1] if fused else found, (units,) if fused else units):
                 spec = proj.meta["tp_rule"]
                 proj.meta["tp_rule"] = RuleSpec(spec.rule, {**spec.args, "unit": unit})
 

@@ -47,8 +47,9 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         heads = spec.get("heads")
         units = [_unit(s, heads[i] if heads and i < len(heads) else None) if g == ctx.world_size else 1
                  for i, (s, g) in enumerate(zip(segments, counts))]
-        if spec.get("unit") and len(segments) == 1:  # heads padded by whole kv groups (passes/head_groups.py)
-            units = [_unit(segments[0], spec.get("unit"))]
+        unit = spec.get("unit")  # heads padded by whole kv groups (passes/head_groups.py), per segment if fused
+        if unit and len(segments) == (len(unit) if isinstance(unit, tuple) else 1):
+            units = [_unit(s, u) for s, u in zip(segments, unit if isinstance(unit, tuple) else (unit,))]
         bad = [s for s, g, u in zip(segments, counts, units) if s % (g * u)]  # each rank keeps whole heads
         padded: Any = None
         if bad and len(segments) > 1 and any(g < ctx.world_size for g in counts):
