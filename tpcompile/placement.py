@@ -110,9 +110,11 @@ def shard_of(dim: int, segments: Sequence[int], seg_pieces: Optional[Sequence[in
     return Shard(dim, tuple(int(s) for s in segments), seg_pieces=tuple(gs))
 
 
-def local_sizes(segments: Sequence[int], seg_pieces: Optional[Sequence[int]], world_size: int) -> list[int]:
-    """Each segment's size on one rank."""
-    return [s // g for s, g in zip(segments, seg_pieces or [world_size] * len(segments))]
+def local_sizes(segments: Sequence[int], seg_pieces: Optional[Sequence[int]], world_size: int,
+                padded: Optional[Padding] = None) -> list[int]:
+    """Each segment's size on one rank (of its padded size when the segments are padded each)."""
+    sizes = padded if isinstance(padded, tuple) else segments
+    return [s // g for s, g in zip(sizes, seg_pieces or [world_size] * len(segments))]
 
 
 def padding_sizes(padded: Padding) -> tuple[int, ...]:
@@ -125,14 +127,21 @@ def padded_total(padded: Padding) -> int:
     return sum(padding_sizes(padded))
 
 
-def padded_segment_runs(segments: Sequence[int], padded: Sequence[int], rank: int,
-                        world_size: int) -> list[tuple[int, int, int, int]]:
+def padded_local(padded: Padding, seg_pieces: Optional[Sequence[int]], world_size: int) -> int:
+    """A padded dim's size on one rank: each (padded) segment over its pieces (the world size by default)."""
+    pads = padding_sizes(padded)
+    return sum(p // g for p, g in zip(pads, seg_pieces or [world_size] * len(pads)))
+
+
+def padded_segment_runs(segments: Sequence[int], padded: Sequence[int], rank: int, world_size: int,
+                        seg_pieces: Optional[Sequence[int]] = None) -> list[tuple[int, int, int, int]]:
     """Per segment, (global start, local start, length of real data, local block) of what `rank` holds when
-    each segment is zero-padded to its own size and split evenly (its zeros past each segment's end)."""
+    each segment is zero-padded to its own size and cut into its pieces (the world size, or g < world size
+    pieces each held by world_size / g ranks, unpadded: multi-query's one kv head whole on every rank)."""
     out, offset, local = [], 0, 0
-    for s, pad in zip(segments, padded):
-        block = pad // world_size
-        start = min(rank * block, s)
+    for s, pad, g in zip(segments, padded, seg_pieces or [world_size] * len(segments)):
+        block = pad // g
+        start = min(rank // (world_size // g) * block, s)
         out.append((offset + start, local, min(block, s - start), block))
         offset, local = offset + s, local + block
     return out
@@ -168,7 +177,8 @@ def rank_pieces(sl: Any, full: int, rank: int, world_size: int) -> list[tuple[in
         size = full // sl.pieces
         return [(rank // (world_size // sl.pieces) * size, 0, size)]
     if isinstance(sl.padded, tuple):  # each segment zero-padded to its own size
-        return [(a, loc, n) for a, loc, n, _ in padded_segment_runs(sl.segments, sl.padded, rank, world_size) if n > 0]
+        runs = padded_segment_runs(sl.segments, sl.padded, rank, world_size, sl.seg_pieces)
+        return [(a, loc, n) for a, loc, n, _ in runs if n > 0]
     out, local = [], 0
     for a, b in segment_ranges(sl.padded or full, sl.segments, rank, world_size, sl.seg_pieces):
         n = min(b, full) - a
@@ -183,11 +193,12 @@ def slice_shape(shape: Sequence[int], sl: Any, world_size: int) -> tuple[int, ..
     if sl is None:
         return tuple(shape)
     out = list(shape)
-    if sl.seg_pieces:
+    if sl.padded:
+        out[sl.dim] = padded_local(sl.padded, sl.seg_pieces, world_size)
+    elif sl.seg_pieces:
         out[sl.dim] = sum(s // g for s, g in zip(sl.segments, sl.seg_pieces))
     else:
-        full = padded_total(sl.padded) if sl.padded else shape[sl.dim]
-        out[sl.dim] = shape[sl.dim] // sl.pieces if sl.pieces else full // world_size
+        out[sl.dim] = shape[sl.dim] // sl.pieces if sl.pieces else shape[sl.dim] // world_size
     return tuple(out)
 
 
@@ -223,7 +234,7 @@ def local_shape(shape: Sequence[Any], p: Any, rank: int, world_size: int) -> tup
         if p.split_next and p.dim + 1 < len(out):
             out[p.dim + 1] = out[p.dim + 1] // p.split_next
     elif p.padded:
-        out[p.dim] = padded_total(p.padded) // world_size
+        out[p.dim] = padded_local(p.padded, p.seg_pieces, world_size)
     elif p.segments and isinstance(size, int):
         out[p.dim] = sum(b - a for a, b in segment_ranges(size, p.segments, rank, world_size, p.seg_pieces))
     else:

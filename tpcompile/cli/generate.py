@@ -75,8 +75,10 @@ def run(ns: argparse.Namespace) -> int:
     print(f"rank 0 (simulated ranks are threads of this process): time to first token {stats.prefill_s * 1e3:.1f} ms, "
           f"{decode * 1e3:.1f} ms per token after it, {stats.tokens_per_s:.1f} tokens/s per row")
     whole = ws > 1 and gen.cache_bytes(0) >= gen.unsharded_cache_bytes
+    why = "see the warnings" if caught else "its key/value heads are whole on every rank (one kv head, or kv " \
+        "heads `tpcompile plan` lists as replicated)"
     print(f"cache per rank {format_bytes(gen.cache_bytes(0))} of {format_bytes(gen.unsharded_cache_bytes)} "
-          f"unsharded" + (" (not split: every rank holds all of it, see the warnings)" if whole else ""))
+          f"unsharded" + (f" (not split: every rank holds all of it, {why})" if whole else ""))
     same = [torch.equal(out, want) for out in outs]
     if all(same):
         print(f"OK: all {ws} ranks generated the unsharded model's tokens")

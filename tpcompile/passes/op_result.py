@@ -126,6 +126,9 @@ def check_wants(res: Result, placement: Any, own: Collection[Node] = ()) -> tupl
         if isinstance(have, Replicate) and isinstance(w.placement, Shard) and w.placement.split_next is None \
                 and (w.placement.padded is None or w.placement.plain_padded):
             continue  # a local slice, no communication (passes/rewrite_slices.py when not plain)
+        if isinstance(have, Shard) and have.pieces == 1 and isinstance(w.placement, Shard) \
+                and w.placement.plain_padded and w.placement.dim == have.dim:
+            continue  # whole on every rank (one shared piece): its padded part, sliced locally
         if is_seq(have) and isinstance(w.placement, Replicate):
             continue  # an all-gather of the tokens
         return f"input {w.node.name} is {have} but the op needs {w.placement}", [w.node]

@@ -17,7 +17,7 @@ from tpcompile.passes.rewrite_dropout import emit_dropout, emit_sdpa_with_dropou
 from tpcompile.passes.rewrite_regions import emit_region, is_region
 from tpcompile.passes.rewrite_slices import gather_tokens, local_slice, reduce_scatter_tokens
 from tpcompile.passes.rewrite_stats import emit_stats, is_stats
-from tpcompile.placement import (REPLICATE, Partial, Replicate, Shard, is_seq, local_shape, local_sizes, padded_total,
+from tpcompile.placement import (REPLICATE, Partial, Replicate, Shard, is_seq, local_shape, local_sizes, padded_local,
                                  shape_key, slice_shape)
 from tpcompile.sharding_rules.rule_context import Want, weight_view
 
@@ -74,6 +74,12 @@ class _Emitter:
             # gradient is partial, so it is reduce-scattered back (all_gather's backward)
             op = tp.all_gather.default if w.grad_sync else tp.all_gather_replicated.default
             return self._once((op, w.node), op, src, have.dim, self.ctx.group)
+        if isinstance(have, Shard) and have.pieces == 1 and isinstance(w.placement, Shard) \
+                and w.placement.plain_padded and w.placement.dim == have.dim:  # each rank's padded heads of it
+            key = ("slice", w.node, w.placement)
+            if key not in self.cache:
+                self.cache[key] = local_slice(self, src, w.node, w.placement, sync=False)
+            return self.cache[key]
         if isinstance(have, Replicate) and isinstance(w.placement, Shard) and not w.placement.plain:
             key = ("slice", w.node, w.placement)  # segments, pieces, batch x heads: this rank's runs, no communication
             if key not in self.cache:
@@ -200,7 +206,7 @@ def _summed_pieces(em: _Emitter, w: Node, sl: Any) -> Node:
     piece = torch.ops.tpcompile.grad_piece_all_reduce.default
     if not sl.seg_pieces:
         return em.call(piece, w, sl.dim, sl.pieces, em.ctx.group)
-    sizes = local_sizes(sl.segments, sl.seg_pieces, em.ws)
+    sizes = local_sizes(sl.segments, sl.seg_pieces, em.ws, sl.padded)
     parts = em.call(aten.split_with_sizes.default, w, sizes, sl.dim)
     runs = [em.call(operator.getitem, parts, k) for k in range(len(sizes))]
     runs = [em.call(piece, r, sl.dim, g, em.ctx.group) if g < em.ws else r for r, g in zip(runs, sl.seg_pieces)]
@@ -285,8 +291,8 @@ def _localize_one(em: _Emitter, node: Node, args: list, kind: str, i: int, pos: 
         if isinstance(sizes[pos], int) and sizes[pos] != -1:
             p = node.meta.get("tp_placement")
             padded = getattr(p, "padded", None) if isinstance(p, Shard) else None
-            full = padded_total(padded) if padded else sizes[pos]
-            sizes[pos] = full // ws if ws == em.ws else sizes[pos] // ws
+            local = padded_local(padded, p.seg_pieces, ws) if padded else sizes[pos] // ws
+            sizes[pos] = local if ws == em.ws else sizes[pos] // ws
         elif isinstance(sizes[pos], Node):
             with em.graph.inserting_before(node):
                 sizes[pos] = em.call(operator.floordiv, sizes[pos], ws)

@@ -65,8 +65,9 @@ def split_spec(em: Any, placement: Any, shape: Sequence[Any]) -> list:
         runs = [(k * n, (k + 1) * n)]
     elif isinstance(placement.padded, tuple):  # segments each padded: this rank's block of each from its start
         starts = [sum(placement.segments[:i]) for i in range(len(placement.segments))]  # (its zeros' positions
-        runs = [(o + rank * (pad // ws), o + (rank + 1) * (pad // ws))   # run on: their values stay zero)
-                for o, pad in zip(starts, placement.padded)]
+        counts = placement.seg_pieces or [ws] * len(starts)              # run on: their values stay zero)
+        runs = [(o + rank // (ws // g) * (pad // g), o + (rank // (ws // g) + 1) * (pad // g))
+                for o, pad, g in zip(starts, placement.padded, counts)]
     else:
         runs = segment_ranges(placement.padded or block, placement.segments, rank, ws, placement.seg_pieces)
     return [d, rng.RUNS, block, len(runs), *[v for run in runs for v in run]]

@@ -27,13 +27,16 @@ aten = torch.ops.aten
 tp = torch.ops.tpcompile
 
 
-def local_slice(em: Any, src: Node, node: Node, p: Shard) -> Node:
-    """Rank em.rank's part, split as `p`, of the whole value `src` (the rank graph's value of `node`)."""
+def local_slice(em: Any, src: Node, node: Node, p: Shard, sync: bool = True) -> Node:
+    """Rank em.rank's part, split as `p`, of the whole value `src` (the rank graph's value of `node`).
+
+    sync=False for a value each rank holds whole whose gradient is summed over the ranks where it is made
+    (one piece shared by every rank: multi-query's kv heads, `Shard(pieces=1)`): no grad_all_reduce here."""
     val = node.meta["val"]
     if p.seq and p.outer is not None:  # tokens of every sequence: tpcompile.scatter on the (B, T, ...) view
         x = em.call(tp.scatter.default, unflat_tokens(em, src, p), p.dim + 1, em.ctx.group)
         return em.call(aten.flatten.using_ints, x, p.dim, p.dim + 1)
-    if val.is_floating_point() or val.is_complex():
+    if sync and (val.is_floating_point() or val.is_complex()):
         src = em.call(tp.grad_all_reduce.default, src, em.ctx.group)
     size = to_size(val.shape[p.dim])
     if p.padded is not None:  # this rank's block of the value zero-padded to p.padded (empty past the end)

@@ -94,11 +94,13 @@ def check_tiling(name: str, shape: tuple, sl: Any, world_size: int) -> None:
 def _check_padded_segments(name: str, size: int, sl: Any, world_size: int, way_out: str) -> None:
     """Raise unless each segment's padding holds it, splits evenly, and the ranks' real runs tile the dim."""
     segs, pads = tuple(sl.segments or ()), tuple(sl.padded)
-    if len(segs) != len(pads) or sum(segs) != size or any(p < s or p % world_size for s, p in zip(segs, pads)):
+    counts = tuple(sl.seg_pieces or (world_size,) * len(segs))
+    if len(segs) != len(pads) or sum(segs) != size or any(p < s or p % g or world_size % g
+                                                          for s, p, g in zip(segs, pads, counts)):
         raise TPCompileError(f"parameter {name}: segments {segs} padded to {pads} do not fit its dim {sl.dim} of "
                              f"size {size} split {world_size} ways; {way_out}")
-    runs = sorted((a, a + n) for r in range(world_size)
-                  for a, _, n, _ in padded_segment_runs(segs, pads, r, world_size) if n > 0)
+    runs = sorted({(a, a + n) for r in range(world_size)  # pieces shared by several ranks counted once
+                   for a, _, n, _ in padded_segment_runs(segs, pads, r, world_size, sl.seg_pieces) if n > 0})
     pos = 0
     for a, b in runs:
         if a != pos:

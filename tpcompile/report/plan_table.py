@@ -75,8 +75,10 @@ def split_text(pp: Any) -> str:
     if pp.padded:  # and what each rank holds of the real size, the rest zeros: 'padded 64 (16|16|16|0)'
         pads = padding_sizes(pp.padded)
         segs = pp.segments if len(pads) > 1 else (pp.global_shape[pp.dim],)
-        ws = sum(pads) // pp.local_shape[pp.dim]
-        held = [sum(max(0, min(p // ws, s - r * (p // ws))) for s, p in zip(segs, pads)) for r in range(ws)]
+        ws = max(pp.seg_pieces) if pp.seg_pieces else sum(pads) // pp.local_shape[pp.dim]
+        counts = pp.seg_pieces or (ws,) * len(pads)
+        held = [sum(max(0, min(p // g, s - r // (ws // g) * (p // g))) for s, p, g in zip(segs, pads, counts))
+                for r in range(ws)]
         text += f" padded {'+'.join(map(str, pads))} ({'|'.join(map(str, held))})"
     if pp.pieces:
         text += f" {pp.pieces} pieces"

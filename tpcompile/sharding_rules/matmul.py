@@ -43,7 +43,8 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         if why:
             return Result(REPLICATE, [Want(x, REPLICATE)], role="replicated", params=params, note=why)
         segments = ctx.segment_hint(node) or (wshape[out_dim],)
-        counts = head_pieces(segments, spec.get("heads"), ctx.world_size) if not spec.get("unit") else [ctx.world_size]
+        counts = head_pieces(segments, spec.get("heads"), ctx.world_size) if not spec.get("unit") \
+            else [ctx.world_size] * len(segments)
         heads = spec.get("heads")
         units = [_unit(s, heads[i] if heads and i < len(heads) else None) if g == ctx.world_size else 1
                  for i, (s, g) in enumerate(zip(segments, counts))]
@@ -52,11 +53,10 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
             units = [_unit(s, u) for s, u in zip(segments, unit if isinstance(unit, tuple) else (unit,))]
         bad = [s for s, g, u in zip(segments, counts, units) if s % (g * u)]  # each rank keeps whole heads
         padded: Any = None
-        if bad and len(segments) > 1 and any(g < ctx.world_size for g in counts):
-            return Result(REPLICATE, [Want(x, REPLICATE)], role="replicated", params=params,
-                          demote_self=f"segment {bad[0]} not divisible by world size {ctx.world_size}")
-        if bad:  # zero-padded to a multiple of the world size (each segment to its own); fine up to a row split
-            pads = tuple(padded_size(s, ctx.world_size * u) for s, u in zip(segments, units))
+        if bad:  # zero-padded to a multiple of the world size (each segment to its own; segments in fewer
+            # pieces than ranks, multi-query's one kv head, as they are); fine up to a row split or the output
+            pads = tuple(padded_size(s, ctx.world_size * u) if g == ctx.world_size else s
+                         for s, u, g in zip(segments, units, counts))
             padded = pads[0] if len(pads) == 1 else pads
         pieces = ctx.pieces_of(node) or (counts[0] if len(segments) == 1 and counts[0] < ctx.world_size else None)
         if pieces:  # fewer pieces than ranks: each held by several ranks (MQA's one kv head: by all)
@@ -188,7 +188,8 @@ def sdpa(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
                    and p.dim == 1 and (p.plain or p.plain_padded)), Shard(1))
     for n in (k, v, mask, q):
         p = ctx.placement(n) if isinstance(n, Node) else None
-        if isinstance(p, Shard) and p != target and n not in one:
+        shared = p == Shard(1, pieces=1) and target.plain_padded  # whole on every rank: its padded part is cut
+        if isinstance(p, Shard) and p != target and n not in one and not shared:
             why = f"attention input sharded as {p}, expected whole heads (dim 1)"
             if n in (k, v) and p.dim == 1 and (p.plain_padded or p.pieces) and target.dim == 1 \
                     and (target.plain_padded or isinstance(ctx.placement(q), Shard)):
@@ -202,8 +203,8 @@ def sdpa(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         if n in one:  # one key / value head broadcast over every query head (multi-query): whole on each rank
             wants.append(Want(n, ctx.placement(n)) if ctx.placement(n) != REPLICATE else ctx.replicated_want(n, target))
             continue
-        if isinstance(ctx.placement(n), Replicate) and heads % ctx.world_size \
-                and target.padded != padded_size(heads, ctx.world_size):
+        whole = isinstance(ctx.placement(n), Replicate) or ctx.placement(n) == Shard(1, pieces=1)
+        if whole and heads % ctx.world_size and target.padded != padded_size(heads, ctx.world_size):
             return Result(REPLICATE, [Want(m, REPLICATE) for m in tensors],
                           conflict=f"{heads} heads not divisible by world size {ctx.world_size}")
         wants.append(Want(n, target))

@@ -12,7 +12,8 @@ from typing import Optional, Sequence
 import torch
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Shard, padding_sizes
+from tpcompile.placement import REPLICATE, Shard, padding_sizes, shard_of
+from tpcompile.sharding_rules.grouped import on_one
 from tpcompile.sharding_rules.rule_context import Result, Size, Want, prod
 
 
@@ -24,6 +25,8 @@ def padded_reshape(p: Shard, gi: Sequence[int], gj: Sequence[int], ins: Sequence
     elements must hold whole entries of the output dim that carries it: that dim is then padded the same way.
     """
     why = f"reshape of a dim padded from {ins[p.dim]} to {p.padded} cuts through the padding"
+    if isinstance(p.padded, tuple) and not (p.outer or p.pieces or p.split_next or p.seq) and gi[0] == p.dim:
+        return _segments_reshape(p, gi, gj, ins, outs, ws, why)
     if p.segments or p.outer or p.pieces or p.seg_pieces or p.split_next or p.seq or gi[0] != p.dim:
         return None, why
     inner = prod([ins[d] for d in gi[1:]])
@@ -40,20 +43,40 @@ def padded_reshape(p: Shard, gi: Sequence[int], gj: Sequence[int], ins: Sequence
     return None, why
 
 
+def _segments_reshape(p: Shard, gi: Sequence[int], gj: Sequence[int], ins: Sequence[Size], outs: Sequence[Size],
+                      ws: int, why: str) -> tuple[Optional[Shard], str]:
+    """Padded segments through a reshape that keeps each segment's entries whole (Falcon's fused q|k|v viewed as
+    (heads + 2, head_dim)): the segments and their paddings, in entries of the output dim."""
+    inner = prod([ins[d] for d in gi[1:]])
+    counts = p.seg_pieces or (ws,) * len(p.segments)
+    for u, d in enumerate(gj):
+        if prod([outs[e] for e in gj[:u]]) != 1 or outs[d] == 1:
+            continue
+        q = prod([outs[e] for e in gj[u + 1:]])
+        sizes = [s * inner for s in p.segments] + [x * inner for x in p.padded]
+        if not isinstance(q, int) or not isinstance(inner, int) or any(v % q for v in sizes) \
+                or any((x * inner // q) % g for x, g in zip(p.padded, counts)):
+            return None, why
+        return replace(p, dim=d, segments=tuple(s * inner // q for s in p.segments),
+                       padded=tuple(x * inner // q for x in p.padded)), ""
+    return None, why
+
+
 def split_padded_segments(node: Node, p: Shard, sizes: list[int], ws: int) -> Result:
     """split / chunk of a dim whose segments are each padded (a fused q|k|v by whole heads): every piece must be
     whole segments, and takes their padding; the local sizes are the padded ones over the ranks."""
     x, segs, pads = node.args[0], list(p.segments), list(padding_sizes(p.padded))
+    counts = list(p.seg_pieces or [ws] * len(segs))
     outs, local, k = [], [], 0
     for want in sizes:
-        got, pad = [], []
+        got, pad, gs = [], [], []
         while k < len(segs) and sum(got) < want:
-            got.append(segs[k]); pad.append(pads[k]); k += 1
+            got.append(segs[k]); pad.append(pads[k]); gs.append(counts[k]); k += 1
         if sum(got) != want:
             return Result(tuple(REPLICATE for _ in sizes), [Want(x, REPLICATE)],
                           conflict=f"split into {sizes} cuts through the padded segments {tuple(segs)}")
-        outs.append(padded_piece(p.dim, got, pad))
-        local.append(sum(pad) // ws)
+        outs.append(on_one(padded_piece(p.dim, got, pad, gs, ws), node.meta["val"][len(outs)].shape))
+        local.append(sum(q // g for q, g in zip(pad, gs)))
     by_size = node.target in (torch.ops.aten.chunk.default, torch.ops.aten.split.Tensor)  # one size for all
     if by_size and len(set(local[:-1])) > 1 or by_size and local[-1] > local[0]:
         return Result(tuple(REPLICATE for _ in sizes), [Want(x, REPLICATE)],
@@ -62,9 +85,11 @@ def split_padded_segments(node: Node, p: Shard, sizes: list[int], ws: int) -> Re
     return Result(tuple(outs), [Want(x, p)], localize=loc)
 
 
-def padded_piece(dim: int, segments: Sequence[int], pads: Sequence[int]) -> Shard:
-    """The split of whole segments cut from padded segments: plain, padded, or still padded per segment."""
-    even = all(g == q for g, q in zip(segments, pads))
+def padded_piece(dim: int, segments: Sequence[int], pads: Sequence[int], counts: Sequence[int], ws: int) -> Shard:
+    """The split of whole segments cut from padded segments: plain, in pieces, padded, or padded per segment."""
+    if all(s == q for s, q in zip(segments, pads)):
+        return shard_of(dim, segments, counts, ws)
     if len(segments) == 1:
-        return Shard(dim) if even else Shard(dim, padded=pads[0])
-    return Shard(dim, tuple(segments)) if even else Shard(dim, tuple(segments), padded=tuple(pads))
+        return Shard(dim, padded=pads[0])
+    pieces = tuple(counts) if any(g < ws for g in counts) else None
+    return Shard(dim, tuple(segments), padded=tuple(pads), seg_pieces=pieces)

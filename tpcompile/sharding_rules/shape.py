@@ -168,7 +168,7 @@ def reshape(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
                            f"across {ctx.world_size} ranks")
     res = Result(out, [Want(x, p)])
     if spec.get("shape_arg") is not None and out.seg_pieces is not None:
-        local = sum(local_sizes(out.segments, out.seg_pieces, ctx.world_size))
+        local = sum(local_sizes(out.segments, out.seg_pieces, ctx.world_size, out.padded))
         res.localize = [("shape_set", spec.get("shape_arg"), (out.dim, local), None)]
     elif spec.get("shape_arg") is not None:
         res.localize = [("shape", spec.get("shape_arg"), out.dim, out.pieces)]

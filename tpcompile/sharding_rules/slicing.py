@@ -64,9 +64,9 @@ def slice_(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     i0, i1 = bounds.index(start), bounds.index(end)
     present = [i for i in (2, 3) if i < len(node.args) and isinstance(node.args[i], int)]
     if per_segment:
-        pads = list(p.padded)
-        at = {2: sum(pads[:i0]) // ws, 3: sum(pads[:i1]) // ws}
-        return Result(padded_piece(dim, segs[i0:i1], pads[i0:i1]), [Want(x, p)],
+        local = [q // g for q, g in zip(p.padded, counts)]
+        at = {2: sum(local[:i0]), 3: sum(local[:i1])}
+        return Result(padded_piece(dim, segs[i0:i1], p.padded[i0:i1], counts[i0:i1], ws), [Want(x, p)],
                       localize=[("set", i, at[i], None) for i in present])
     out = shard_of(dim, segs[i0:i1], counts[i0:i1], ws)
     if p.seg_pieces is None:  # every segment split evenly: a boundary's local position is the global one / ws
