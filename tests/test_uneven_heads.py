@@ -166,18 +166,19 @@ class FusedAttention(nn.Module):
         return x + self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
-@pytest.mark.parametrize("ws, heads, kv, slices, pads", [
-    (3, 4, 4, False, (48, 48, 48)),  # GPT-2's fused q|k|v: 4 heads of 8 padded to 6 at 3 ranks, in every segment
-    (5, 8, 4, True, (80, 40, 40)),   # q 8 -> 10 heads, k and v 4 -> 5: a rank's 2 query heads use its one kv head
+@pytest.mark.parametrize("ws, heads, kv, slices, pads, local", [
+    (3, 4, 4, False, (48, 48, 48), 48),  # GPT-2's fused q|k|v: 4 heads of 8 padded to 6 at 3 ranks, in each segment
+    (5, 8, 4, True, (80, 40, 40), 32),   # q 8 -> 10 heads, k and v 4 -> 5: a rank's 2 query heads use its kv head
+    (3, 4, 1, False, (48, 8, 8), 32),    # multi-query (GPTBigCode, Falcon): q 4 -> 6 heads, the one kv head whole
 ])
 def test_fused_projection_pads_each_segment_by_whole_heads(ws: int, heads: int, kv: int, slices: bool,
-                                                           pads: tuple) -> None:
+                                                           pads: tuple, local: int) -> None:
     torch.manual_seed(0)
     model = FusedAttention(heads, kv, 8, slices=slices).eval()
     sm, warned = _shard(model, ws)
     assert not warned, [str(w.message) for w in warned]
     p = sm.plan.parameters["qkv.weight"]
-    assert (p.role, p.padded, p.local_shape) == ("column", pads, (sum(pads) // ws, 40))
+    assert (p.role, p.padded, p.local_shape) == ("column", pads, (local, 40))
     assert split_text(p).endswith(")") and f"padded {'+'.join(map(str, pads))}" in split_text(p)
     assert sorted(op for op, _ in sm.collectives()) == ["all_reduce"]
     _exact(model, sm, torch.randn(3, 11, 40), torch.randn(2, 9, 40))
