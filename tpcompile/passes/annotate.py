@@ -220,8 +220,8 @@ def _head_size(value: Node, width: int) -> Optional[int]:
 
 
 def _heads_dim(val: object, width: int) -> Optional[int]:
-    """h for a reshape's output (..., h, *rest) whose dims from h on hold `width` elements (rest not empty), as
-    (.., heads, head_dim), multi-query's (.., 1, head_dim) or GPT-NeoX's (.., heads, 3, head_dim) do."""
+    """h for a reshape's output (.., h, head_dim) or (.., h, 3, head_dim) (q, k and v stacked per head, as
+    Persimmon's fused projection) whose dims from h on hold `width` elements; multi-query's h is 1."""
     if not isinstance(val, torch.Tensor) or val.dim() < 2 or not isinstance(val.shape[-1], int):
         return None
     prod = int(val.shape[-1])
@@ -229,8 +229,8 @@ def _heads_dim(val: object, width: int) -> Optional[int]:
         if not isinstance(val.shape[d], int) or prod > width:
             return None
         prod *= int(val.shape[d])
-        if prod == width:
-            return int(val.shape[d])
+        if prod == width:  # (.., h, d), or (.., h, 3, d) with q, k and v stacked per head; not (kv, group, d)
+            return int(val.shape[d]) if d >= val.dim() - 2 or val.dim() - d == 3 and val.shape[d + 1] == 3 else None
     return None
 
 
