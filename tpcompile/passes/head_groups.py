@@ -3,8 +3,7 @@
 With Hq query heads sharing kv heads in groups of n_rep (Hq = kv x n_rep), a split by heads keeps each
 rank's query heads with the kv heads they read only if a rank holds whole groups. When the world size
 does not divide the kv heads, nor is a multiple of them that divides the query heads (4 kv heads for 12
-query heads at 3, 6 or 8 ranks), there are two
-exact ways to split the attention:
+query heads at 3, 6 or 8 ranks), there are two exact ways to split the attention:
 
 - kv-head replication: query heads split ceil(Hq / ws) a rank, the kv projections whole on every rank
   (sharding_rules/matmul.py `sdpa` makes that choice when the layouts do not line up);
@@ -12,11 +11,11 @@ exact ways to split the attention:
   so that rank r's query heads are exactly those of its kv heads.
 
 This pass finds each attention's query, key and value projections (through the views, transposes, rotary
-embedding and kv repeats between them; one fused q|k|v projection's three segments too) and, where whole groups hold fewer parameter bytes on the largest
-rank (query and output projections against key and value projections, one head each; on a tie too, as
-the kv heads, and a KV cache of them, are then split), marks the query
-projection's `unit` as a group of heads (n_rep x head_dim) and the key and value projections' as one head;
-the matmul rule then pads the query heads to whole groups and the kv heads to a multiple of the ranks.
+embedding and kv repeats between them; one fused q|k|v projection's three segments too) and, where whole
+groups hold no more parameter bytes on the largest rank (query and output projections against key and
+value projections, one head each; a tie goes to the groups, as the kv heads, and a KV cache of them, are
+then split), marks the query projection's `unit` as a group of heads (n_rep x head_dim) and the key and
+value projections' as one head; the matmul rule then pads the query heads to whole groups and the kv heads to a multiple of the ranks.
 """
 from __future__ import annotations
 
