@@ -67,7 +67,6 @@ class Shard:
         return ((self.segments is None or len(self.segments) == 1) and self.padded is None
                 and self.outer is None and self.pieces is None and self.seg_pieces is None)
 
-
     @property
     def plain_padded(self) -> bool:
         """True when the dimension is one segment zero-padded to a multiple of the world size and split evenly."""
@@ -120,11 +119,6 @@ def local_sizes(segments: Sequence[int], seg_pieces: Optional[Sequence[int]], wo
 def padding_sizes(padded: Padding) -> tuple[int, ...]:
     """A padding as a tuple of sizes: one for a padded dim, one per segment for padded segments."""
     return padded if isinstance(padded, tuple) else (int(padded),)
-
-
-def padded_total(padded: Padding) -> int:
-    """The whole padded size of the dim (the sum of the padded segments)."""
-    return sum(padding_sizes(padded))
 
 
 def padded_local(padded: Padding, seg_pieces: Optional[Sequence[int]], world_size: int) -> int:
