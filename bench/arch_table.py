@@ -14,7 +14,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -38,10 +38,11 @@ def _fmt_counts(counts: dict[str, int]) -> str:
     return ", ".join(f"{v} {k}" for k, v in counts.items()) or "none"
 
 
-def run_one(arch: Arch, ws: int, run: tuple[int, int] = RUN) -> dict[str, Any]:
-    """Shard arch at world size ws, simulate every rank and compare with the original."""
+def run_one(arch: Arch, ws: int, run: tuple[int, int] = RUN, config: Optional[dict] = None) -> dict[str, Any]:
+    """Shard arch (built with `config` over its builder's sizes) at world size ws, simulate every rank and compare
+    with the original."""
     start = time.perf_counter()
-    model = build(arch)
+    model = build(arch, **(config or {}))
     torch.manual_seed(1)
     example = inputs(arch, *EXAMPLE)
     with warnings.catch_warnings(record=True) as caught:

@@ -11,7 +11,6 @@ import argparse
 import datetime
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -20,34 +19,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from hf_models import ALL_ARCHS, Arch, build, inputs, param_bytes  # noqa: E402
-
-import tpcompile  # noqa: E402
+from bench.arch_table import RUN, TOLERANCE, run_one  # noqa: E402
+from hf_models import ALL_ARCHS  # noqa: E402
 
 WORLD_SIZES = (3, 5, 6, 8)
 COUNTS = dict(num_attention_heads=12, num_key_value_heads=4, hidden_size=96, intermediate_size=200,
               ffn_dim=200, vocab_size=250, word_embed_proj_dim=96)
-EXAMPLE, RUN = (2, 8), (3, 13)
-TOLERANCE = 1e-4
 MARKERS = ("<!-- uneven:start -->", "<!-- uneven:end -->")
-
-
-def run_one(arch: Arch, ws: int) -> dict[str, Any]:
-    """Shard at ws, simulate on a new batch, compare; the largest rank's parameter share and the warnings."""
-    model = build(arch, **COUNTS)
-    torch.manual_seed(1)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", tpcompile.TPCompileWarning)
-        sm = tpcompile.shard(model, ws, example_kwargs=inputs(arch, *EXAMPLE))
-    warned = [str(w.message) for w in caught if issubclass(w.category, tpcompile.TPCompileWarning)]
-    torch.manual_seed(2)
-    kw = inputs(arch, *RUN)
-    with torch.no_grad():
-        ref = model(**kw)[arch.output]
-        outs = tpcompile.simulate(sm, **kw)
-    diff = max(float((out[arch.output].detach() - ref).abs().max()) for out in outs)
-    local, total = param_bytes(model, sm)
-    return {"diff": diff, "held": local / total * ws, "warnings": warned}
 
 
 def render(rows: list[dict], wall_s: float) -> str:
@@ -93,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         for ws in WORLD_SIZES:
             row: dict[str, Any] = {"arch": arch.name, "ws": ws}
             try:
-                row.update(run_one(arch, ws))
+                one = run_one(arch, ws, RUN, COUNTS)
+                row.update(diff=one["diff"], held=one["share"] * ws, warnings=one["warnings"])
             except Exception as e:  # noqa: BLE001  a failing row is a row, not a crash
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             rows.append(row)

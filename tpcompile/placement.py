@@ -141,6 +141,13 @@ def padded_segment_runs(segments: Sequence[int], padded: Sequence[int], rank: in
     return out
 
 
+def cut_from_shared(have: object, want: object) -> bool:
+    """True when `want`, one zero-padded split, is cut locally from `have`, a value every rank holds whole as one
+    shared piece (`Shard(d, pieces=1)`: multi-query's kv head repeated over the query heads)."""
+    return (isinstance(have, Shard) and have.pieces == 1 and isinstance(want, Shard) and want.plain_padded
+            and want.dim == have.dim)
+
+
 def is_seq(p: object) -> bool:
     """True for a sequence-parallel (token) sharding."""
     return isinstance(p, Shard) and p.seq

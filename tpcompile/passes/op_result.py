@@ -15,7 +15,7 @@ from typing import Any, Collection, Optional
 import torch
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Partial, Replicate, Shard, is_seq
+from tpcompile.placement import REPLICATE, Partial, Replicate, Shard, cut_from_shared, is_seq
 from tpcompile.sharding_rules.dtensor_fallback import dtensor_result
 from tpcompile.sharding_rules.registry import apply_rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want
@@ -126,8 +126,7 @@ def check_wants(res: Result, placement: Any, own: Collection[Node] = ()) -> tupl
         if isinstance(have, Replicate) and isinstance(w.placement, Shard) and w.placement.split_next is None \
                 and (w.placement.padded is None or w.placement.plain_padded):
             continue  # a local slice, no communication (passes/rewrite_slices.py when not plain)
-        if isinstance(have, Shard) and have.pieces == 1 and isinstance(w.placement, Shard) \
-                and w.placement.plain_padded and w.placement.dim == have.dim:
+        if cut_from_shared(have, w.placement):
             continue  # whole on every rank (one shared piece): its padded part, sliced locally
         if is_seq(have) and isinstance(w.placement, Replicate):
             continue  # an all-gather of the tokens

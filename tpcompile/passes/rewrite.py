@@ -17,8 +17,8 @@ from tpcompile.passes.rewrite_dropout import emit_dropout, emit_sdpa_with_dropou
 from tpcompile.passes.rewrite_regions import emit_region, is_region
 from tpcompile.passes.rewrite_slices import gather_tokens, local_slice, reduce_scatter_tokens
 from tpcompile.passes.rewrite_stats import emit_stats, is_stats
-from tpcompile.placement import (REPLICATE, Partial, Replicate, Shard, is_seq, local_shape, local_sizes, padded_local,
-                                 shape_key, slice_shape)
+from tpcompile.placement import (REPLICATE, Partial, Replicate, Shard, cut_from_shared, is_seq, local_shape,
+                                 local_sizes, padded_local, shape_key, slice_shape)
 from tpcompile.sharding_rules.rule_context import Want, weight_view
 
 aten = torch.ops.aten
@@ -74,16 +74,11 @@ class _Emitter:
             # gradient is partial, so it is reduce-scattered back (all_gather's backward)
             op = tp.all_gather.default if w.grad_sync else tp.all_gather_replicated.default
             return self._once((op, w.node), op, src, have.dim, self.ctx.group)
-        if isinstance(have, Shard) and have.pieces == 1 and isinstance(w.placement, Shard) \
-                and w.placement.plain_padded and w.placement.dim == have.dim:  # each rank's padded heads of it
-            key = ("slice", w.node, w.placement)
-            if key not in self.cache:
-                self.cache[key] = local_slice(self, src, w.node, w.placement, sync=False)
-            return self.cache[key]
-        if isinstance(have, Replicate) and isinstance(w.placement, Shard) and not w.placement.plain:
+        shared = cut_from_shared(have, w.placement)  # its gradient is summed where the shared piece is made
+        if shared or isinstance(have, Replicate) and isinstance(w.placement, Shard) and not w.placement.plain:
             key = ("slice", w.node, w.placement)  # segments, pieces, batch x heads: this rank's runs, no communication
             if key not in self.cache:
-                self.cache[key] = local_slice(self, src, w.node, w.placement)
+                self.cache[key] = local_slice(self, src, w.node, w.placement, sync=not shared)
             return self.cache[key]
         if isinstance(have, Replicate) and isinstance(w.placement, Shard):
             return self._once(("scatter", w.node, w.placement.dim), tp.scatter.default,

@@ -14,7 +14,7 @@ from rich.table import Table
 from tpcompile.ops.collectives import CollectiveEvent
 from tpcompile.ops.schedule import FORWARD_COLLECTIVES, collective_op
 from tpcompile.passes.pass_context import module_path
-from tpcompile.placement import padding_sizes
+from tpcompile.placement import padded_segment_runs, padding_sizes
 from tpcompile.report.units import format_bytes as _bytes
 from tpcompile.report.wording import replicated_modules, short_reason, short_warning
 
@@ -76,9 +76,7 @@ def split_text(pp: Any) -> str:
         pads = padding_sizes(pp.padded)
         segs = pp.segments if len(pads) > 1 else (pp.global_shape[pp.dim],)
         ws = max(pp.seg_pieces) if pp.seg_pieces else sum(pads) // pp.local_shape[pp.dim]
-        counts = pp.seg_pieces or (ws,) * len(pads)
-        held = [sum(max(0, min(p // g, s - r // (ws // g) * (p // g))) for s, p, g in zip(segs, pads, counts))
-                for r in range(ws)]
+        held = [sum(n for _, _, n, _ in padded_segment_runs(segs, pads, r, ws, pp.seg_pieces)) for r in range(ws)]
         text += f" padded {'+'.join(map(str, pads))} ({'|'.join(map(str, held))})"
     if pp.pieces:
         text += f" {pp.pieces} pieces"

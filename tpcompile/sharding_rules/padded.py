@@ -78,7 +78,7 @@ def split_padded_segments(node: Node, p: Shard, sizes: list[int], ws: int) -> Re
         outs.append(on_one(padded_piece(p.dim, got, pad, gs, ws), node.meta["val"][len(outs)].shape))
         local.append(sum(q // g for q, g in zip(pad, gs)))
     by_size = node.target in (torch.ops.aten.chunk.default, torch.ops.aten.split.Tensor)  # one size for all
-    if by_size and len(set(local[:-1])) > 1 or by_size and local[-1] > local[0]:
+    if by_size and (len(set(local[:-1])) > 1 or local[-1] > local[0]):  # the last part may only be shorter
         return Result(tuple(REPLICATE for _ in sizes), [Want(x, REPLICATE)],
                       conflict=f"{node.target} of padded segments whose parts differ in size on a rank ({local})")
     loc = None if node.target is torch.ops.aten.chunk.default else [("set", 1, local[0] if by_size else local, None)]
