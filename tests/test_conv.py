@@ -244,14 +244,22 @@ def test_transposed_convolution_row_split_cuts_its_input_channels() -> None:
     _equal(sm, model, torch.randn(3, 3, 10, 6))
 
 
-def test_output_channels_the_ranks_do_not_divide_stay_whole_with_the_reason() -> None:
-    """6 output channels at 4 ranks: that convolution is replicated with a warning naming the count; exact."""
+def test_output_channels_the_ranks_do_not_divide_are_zero_padded() -> None:
+    """6 output channels at 4 ranks: padded to 8, two a rank (the last rank's are zeros), the next convolution a
+    row split over them; no warning, one all-reduce, exact forward and gradients at another image size."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.ReLU(), nn.Conv2d(6, 8, 3)).eval()
-    with pytest.warns(tpcompile.TPCompileWarning, match="6 output channels not divisible by world size 4"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpcompile.TPCompileWarning)
         sm = tpcompile.shard(model, 4, example_inputs=(torch.randn(2, 3, 8, 8),))
-    assert sm.plan.parameters["0.weight"].role == "replicated"
+    first, second = sm.plan.parameters["0.weight"], sm.plan.parameters["2.weight"]
+    assert (first.role, first.padded, first.local_shape) == ("column", 8, (2, 3, 3, 3))
+    assert (second.role, second.padded, second.local_shape) == ("row", 8, (8, 2, 3, 3))
+    assert sm.plan.parameters["0.bias"].local_shape == (2,)
+    assert [op for op, _ in sm.collectives()] == ["all_reduce"]
     _equal(sm, model, torch.randn(1, 3, 9, 7))
+    report = tpcompile.check_gradients(model.train(), sm, torch.randn(2, 3, 8, 9))
+    assert report.ok, str(report)
 
 
 class RawConvolution(nn.Module):

@@ -174,7 +174,8 @@ def test_each_split_kind_tiles_the_whole_mask(sl: ParamSlice) -> None:
 
 
 def test_tokens_heads_kv_pieces_and_rows_tile_the_whole_mask() -> None:
-    """Tokens or heads folded with the batch, kv pieces with split repeats, later rows of the batch: the whole mask."""
+    """Tokens or heads (padded too) folded with the batch, kv pieces with split repeats, later rows of the batch: the
+    whole mask."""
     whole = _mask([24, 8], None, 0, 1, [1, 0], 4).view(4, 6, 8)  # (batch x 6 tokens or heads, features), batch 4
     for r in range(2):
         tokens = _mask([24, 8], Shard(0, seq=True, outer=4), r, 2, [1, 0], 4)  # each row's tokens split in two
@@ -183,6 +184,10 @@ def test_tokens_heads_kv_pieces_and_rows_tile_the_whole_mask() -> None:
         assert torch.equal(later.view(2, 3, 8), whole[2:, 3 * r:3 * r + 3])
         heads = _mask([12, 8], Shard(0, outer=2), r, 2, [1, 0], 2, rows=2)  # heads split, rows 2 and 3
         assert torch.equal(heads.view(2, 3, 8), whole[2:, 3 * r:3 * r + 3])
+    for r in range(4):  # the 6 heads zero-padded to 8 at 4 ranks, folded with the batch: each rank's real heads
+        padded = _mask([24, 8], Shard(0, padded=8, outer=4), r, 4, [1, 0], 4).view(4, 2, 8)
+        real = max(0, min(2, 6 - 2 * r))
+        assert torch.equal(padded[:, :real], whole[:, 2 * r:2 * r + real])
     kv = _mask([4, 2, 6, 5], None, 0, 1, [1, 0, 0, 0], 4)  # (batch, 2 kv heads, 6 repeats, head dim)
     for r in range(4):  # 2 pieces of one kv head, each shared by 2 ranks that split its repeats
         local = _mask([2, 2, 6, 5], Shard(1, pieces=2, split_next=2), r, 4, [1, 0, 0, 0], 2, rows=2)

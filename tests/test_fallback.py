@@ -47,7 +47,7 @@ def _heads_first(f: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Op:
 
 # (name, the function of the split hidden value, the aten op that must carry the split without a row)
 CASES: list[tuple[str, Op, str]] = [
-    ("stack", lambda h: torch.stack([h, h.sin()], 1).sum(1), "aten.stack.default"),
+    ("celu", F.celu, "aten.celu.default"),
     ("flip", lambda h: torch.flip(h, [1]), "aten.flip.default"),
     ("roll", lambda h: torch.roll(h, 1, 1), "aten.roll.default"),
     ("index_select", lambda h: torch.index_select(h, 1, torch.tensor([1, 0])).mean(1, keepdim=True) + h,
@@ -64,12 +64,12 @@ CASES: list[tuple[str, Op, str]] = [
     ("prod", lambda h: torch.prod(h.sigmoid(), 1, keepdim=True) * h, "aten.prod.dim_int"),
     ("nan_to_num", lambda h: torch.nan_to_num(h / h.abs().sign()), "aten.nan_to_num.default"),
     ("logsigmoid", F.logsigmoid, "aten.log_sigmoid.default"),
-    ("leaky_relu", lambda h: F.leaky_relu(h, 0.1), "aten.leaky_relu.default"),
-    ("elu", F.elu, "aten.elu.default"),
-    ("softplus", F.softplus, "aten.softplus.default"),
-    ("mish", F.mish, "aten.mish.default"),
-    ("hardswish", F.hardswish, "aten.hardswish.default"),
-    ("hardtanh", F.hardtanh, "aten.hardtanh.default"),
+    ("softshrink", lambda h: F.softshrink(h, 0.1), "aten.softshrink.default"),
+    ("hardshrink", lambda h: F.hardshrink(h, 0.1), "aten.hardshrink.default"),
+    ("logaddexp", lambda h: torch.logaddexp(h, h.cos()), "aten.logaddexp.default"),
+    ("hypot", lambda h: torch.hypot(h, h.cos()), "aten.hypot.default"),
+    ("xlogy", lambda h: torch.xlogy(h, h.sigmoid()), "aten.xlogy.Tensor"),
+    ("copysign", lambda h: torch.copysign(h, h.cos()), "aten.copysign.Tensor"),
     ("atan2", lambda h: torch.atan2(h, h.cos() + 2), "aten.atan2.default"),
     ("lerp", lambda h: torch.lerp(h, h.sin(), 0.3), "aten.lerp.Scalar"),
     ("addcmul", lambda h: torch.addcmul(h, h, h.cos(), value=0.5), "aten.addcmul.default"),

@@ -321,13 +321,14 @@ def test_token_ids_outside_the_vocabulary(ws: int, bad: int) -> None:
 # --- warnings name the root cause ---
 
 class HeadsNotDivisible(nn.Module):
-    """4 heads at 3 ranks, q/k/v each normalised over all its heads (OLMo-2's q/k norms): split evenly for the norm,
-    they cut through a head at the view, so the output projection sees a whole input."""
+    """4 heads at 3 ranks, q/k/v each LayerNorm'd over all its heads: padded by whole heads for the view, the
+    norm's mean and variance would count the padding, so they stay whole and the output projection sees a whole
+    input."""
 
     def __init__(self) -> None:
         super().__init__()
         self.q, self.k, self.v, self.wo = (nn.Linear(48, 48) for _ in range(4))
-        self.qn, self.kn, self.vn = (nn.RMSNorm(48) for _ in range(3))
+        self.qn, self.kn, self.vn = (nn.LayerNorm(48) for _ in range(3))
         self.norm, self.fc, self.proj = nn.RMSNorm(48), nn.Linear(48, 192), nn.Linear(192, 48)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -346,6 +347,6 @@ def test_a_warning_names_the_upstream_root_cause() -> None:
         sm = tpcompile.shard(model, 3, example_inputs=(torch.randn(2, 5, 48),))
     wo = next(str(w.message) for w in caught if "replicating wo" in str(w.message))
     assert "its input is whole only because k, q, v are replicated (the root cause: " in wo
-    assert "4 is not divisible by world size 3" in wo
+    assert "normalises over the sharded dim 2 (split as S(2~72)" in wo
     assert sm.plan.modules["fc"] == "column" and sm.plan.modules["proj"] == "row"
     _equal_on_every_rank(model, sm, torch.randn(3, 7, 48))

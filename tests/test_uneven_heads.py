@@ -239,3 +239,111 @@ def test_hugging_face_counts_the_world_size_does_not_divide(name: str, ws: int) 
         ref = model(**kw).logits
         for out in tpcompile.simulate(sm, **kw):
             torch.testing.assert_close(out.logits, ref, atol=1e-4, rtol=0)
+
+
+class NormedAttention(nn.Module):
+    """q and k normalised over the whole projection before the heads (OLMoE's q_norm / k_norm), by a hand-written
+    RMSNorm (mean of squares) or F.rms_norm; `shift` adds a constant first, which fills the padding."""
+
+    def __init__(self, heads: int, head_dim: int = 8, width: int = 40, fused: bool = False, shift: float = 0.0):
+        super().__init__()
+        self.heads, self.head_dim, self.fused, self.shift = heads, head_dim, fused, shift
+        self.q, self.k, self.v = (nn.Linear(width, heads * head_dim) for _ in range(3))
+        self.qn, self.kn = nn.Parameter(torch.rand(heads * head_dim) + 0.5), nn.Parameter(torch.rand(heads * head_dim))
+        self.o = nn.Linear(heads * head_dim, width)
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        x = x + self.shift if self.shift else x
+        if self.fused:
+            return F.rms_norm(x, (x.shape[-1],), w, 1e-6)
+        return w * (x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self._norm(self.q(x), self.qn).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self._norm(self.k(x), self.kn).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_norm_over_a_padded_projection_sums_what_the_ranks_hold(fused: bool) -> None:
+    """6 heads at 4 ranks, q and k normalised over all their features: the padding holds zeros, so each rank's
+    sum of squares over its heads adds up to the real one; split, no warning, exact with gradients."""
+    torch.manual_seed(0)
+    model = NormedAttention(6, fused=fused).eval()
+    sm, warned = _shard(model, 4)
+    assert not warned, [str(w.message) for w in warned]
+    assert sm.plan.parameters["q.weight"].local_shape == (16, 40)
+    assert sm.plan.parameters["qn"].local_shape == (16,)
+    _exact(model, sm, torch.randn(3, 13, 40), grad_x=torch.randn(2, 9, 40))
+
+
+def test_a_norm_over_padding_that_is_not_zero_is_not_split() -> None:
+    """A constant added before the norm puts it into the padding too: the projections stay whole, with a warning
+    naming the reduction, and the result stays exact."""
+    torch.manual_seed(0)
+    model = NormedAttention(6, shift=0.5).eval()
+    sm, warned = _shard(model, 4)
+    assert any("padded" in str(w.message) and "q" in str(w.message) for w in warned), [str(w.message) for w in warned]
+    assert sm.plan.parameters["q.weight"].role == "replicated"
+    _exact(model, sm, torch.randn(3, 13, 40))
+
+
+class FoldedAttention(nn.Module):
+    """Attention on (batch * heads, T, d) by bmm (XGLM's and BART's way): scores clamped from below with
+    torch.max, a mask added on the (batch, heads, T, T) view, and a rope-like part of every head written into a
+    fresh tensor from a value all heads share (DeepSeek's k_pe)."""
+
+    def __init__(self, heads: int, head_dim: int = 8, width: int = 40) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.q, self.k, self.v = (nn.Linear(width, heads * head_dim) for _ in range(3))
+        self.shared = nn.Linear(width, 2)
+        self.o = nn.Linear(heads * head_dim, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h, d = self.heads, self.head_dim
+        q = self.q(x).view(b, t, h, d).transpose(1, 2)
+        k_own = self.k(x).view(b, t, h, d).transpose(1, 2)
+        k = k_own.new_empty(b, h, t, d + 2)
+        k[..., :d] = k_own
+        k[..., d:] = self.shared(x)[:, None].expand(b, h, t, 2)
+        q = torch.cat([q, q[..., :2]], dim=-1)
+        v = self.v(x).view(b, t, h, d).transpose(1, 2).reshape(b * h, t, d)
+        scores = torch.bmm(q.reshape(b * h, t, d + 2), k.reshape(b * h, t, d + 2).transpose(1, 2))
+        causal = torch.full((t, t), float("-inf")).triu(1)
+        scores = (scores.view(b, h, t, t) + causal).view(b * h, t, t)
+        scores = torch.max(scores, torch.tensor(torch.finfo(scores.dtype).min))
+        y = torch.bmm(scores.softmax(-1), v).view(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)
+        return x + self.o(y)
+
+
+@pytest.mark.parametrize("ws", [4, 5])
+def test_heads_folded_with_the_batch_stay_padded(ws: int) -> None:
+    """6 heads at 4 and 5 ranks through (batch * heads) bmm attention: the padded heads fold with the batch and
+    back, the fresh key tensor is padded like the heads it holds; no warning, one all-reduce, exact."""
+    torch.manual_seed(0)
+    model = FoldedAttention(6).eval()
+    sm, warned = _shard(model, ws)
+    assert not warned, [str(w.message) for w in warned]
+    per = -(-6 // ws)
+    assert sm.plan.parameters["q.weight"].local_shape == (per * 8, 40)
+    assert sm.plan.parameters["shared.weight"].role == "replicated"
+    assert [op for op, _ in sm.collectives()] == ["all_reduce"]
+    _exact(model, sm, torch.randn(3, 11, 40), grad_x=torch.randn(2, 7, 40))
+
+
+def test_fewer_heads_than_ranks_are_padded_one_a_rank() -> None:
+    """2 heads (as many kv heads) at 4 ranks: padded to 4, one a rank, rather than pieces shared by ranks (which
+    would count each query head twice in the output projection's sum); no warning, exact."""
+    model = _net(2, 2)
+    sm, warned = _shard(model, 4)
+    assert not warned, [str(w.message) for w in warned]
+    for name in ("q", "k", "v"):
+        p = sm.plan.parameters[f"blocks.0.attn.{name}.weight"]
+        assert (p.role, p.padded, p.pieces, p.local_shape) == ("column", 32, None, (8, 40)), (name, p)
+    assert sorted(op for op, _ in sm.collectives()) == ["all_reduce"] * 4
+    _exact(model, sm, torch.randn(3, 13, 40))

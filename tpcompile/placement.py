@@ -234,6 +234,8 @@ def local_shape(shape: Sequence[Any], p: Any, rank: int, world_size: int) -> tup
         out[p.dim] = size // p.pieces
         if p.split_next and p.dim + 1 < len(out):
             out[p.dim + 1] = out[p.dim + 1] // p.split_next
+    elif p.padded and p.outer is not None:  # `outer` repetitions of padded heads (batch x heads)
+        out[p.dim] = p.outer * padded_local(p.padded, p.seg_pieces, world_size)
     elif p.padded:
         out[p.dim] = padded_local(p.padded, p.seg_pieces, world_size)
     elif p.segments and isinstance(size, int):

@@ -197,7 +197,8 @@ def _along_heads(node: Node) -> bool:
 
 
 def _head_size(value: Node, width: int) -> Optional[int]:
-    """d for the first reshape after `value` (through elementwise ops and transposes) to (..., h, d), h * d == width."""
+    """d for the first reshape after `value` (through elementwise ops, norms and transposes) to (..., h, d),
+    h * d == width."""
     val = value.meta.get("val")
     if _along_heads(value) and all(isinstance(v, int) for v in val.shape[-2:]) \
             and val.shape[-2] * val.shape[-1] == width:  # a part cut from (.., heads, d) along the heads
@@ -214,7 +215,8 @@ def _head_size(value: Node, width: int) -> Optional[int]:
             heads = _heads_dim(val, width) if spec is not None and spec.rule == "reshape" else None
             if heads is not None and _last_dim(n) == width:  # (.., h, d) or (.., h, 3, d): d or 3d a head
                 return width // heads
-            if spec is not None and spec.rule in ("pointwise", "transpose", "reshape") and _last_dim(u) == width:
+            if spec is not None and spec.rule in ("pointwise", "transpose", "reshape", "norm") \
+                    and _last_dim(u) == width:
                 todo.append(u)
     return None
 

@@ -15,7 +15,12 @@ embedding and kv repeats between them; one fused q|k|v projection's three segmen
 groups hold no more parameter bytes on the largest rank (query and output projections against key and
 value projections, one head each; a tie goes to the groups, as the kv heads, and a KV cache of them, are
 then split), marks the query projection's `unit` as a group of heads (n_rep x head_dim) and the key and
-value projections' as one head; the matmul rule then pads the query heads to whole groups and the kv heads to a multiple of the ranks.
+value projections' as one head; the matmul rule then pads the query heads to whole groups and the kv heads to a
+multiple of the ranks.
+
+Fewer heads than ranks, as many kv heads as query heads (4 heads at 8 ranks): every projection's unit is one
+head, so the heads are zero-padded to one a rank rather than cut into pieces shared by ranks (which would
+compute each query head on several ranks and count it that many times in the output projection's sum).
 """
 from __future__ import annotations
 
@@ -51,16 +56,23 @@ def mark_head_groups(gm: GraphModule, ctx: PassContext) -> None:
         if k != v or q % hd or k % hd:
             continue
         heads, kv = q // hd, k // hd
+        if heads == kv and 0 < heads < ws and ws % heads == 0:  # fewer heads than ranks: padded, one a rank
+            _set_units(found, fused, (hd, hd, hd))  # (in pieces shared by ranks, query heads are computed twice)
+            continue
         if kv == 0 or heads % kv or heads == kv or kv % ws == 0 or ws % kv == 0 and heads % ws == 0:
             continue  # kv heads split evenly, or in pieces shared by the ranks of whole query heads
         rep = heads // kv
         groups = 2 * -(-kv // ws) * rep + 2 * -(-kv // ws)  # q and o heads, k and v heads: padded groups
         replicated = 2 * -(-heads // ws) + 2 * kv  # q and o split by heads, k and v whole
         if groups <= replicated:  # q by whole groups; k and v padded by heads, not in pieces shared by ranks
-            units = (rep * hd, hd, hd)
-            for proj, unit in zip(found[:1] if fused else found, (units,) if fused else units):
-                spec = proj.meta["tp_rule"]
-                proj.meta["tp_rule"] = RuleSpec(spec.rule, {**spec.args, "unit": unit})
+            _set_units(found, fused, (rep * hd, hd, hd))
+
+
+def _set_units(found: list, fused: bool, units: tuple) -> None:
+    """The query, key and value projections' units (of the fused projection, one per segment)."""
+    for proj, unit in zip(found[:1] if fused else found, (units,) if fused else units):
+        spec = proj.meta["tp_rule"]
+        proj.meta["tp_rule"] = RuleSpec(spec.rule, {**spec.args, "unit": unit})
 
 
 def _projection(arg: object, ctx: PassContext) -> Optional[Node]:

@@ -24,7 +24,8 @@ def wished_cut(node: Any, want: Any, param: Callable[[Any], Optional[torch.Tenso
                world_size: int) -> Optional[tuple[str, ParamSlice]]:
     """(parameter name, slice) when `node`, wanted split as `want`, is a parameter seen through in-place ops
     that nothing else reads, and cutting the parameter would give each rank exactly its part; else None."""
-    if not (isinstance(want, Shard) and want.plain and not want.seq) or not isinstance(node, Node) \
+    if not (isinstance(want, Shard) and (want.plain or want.plain_padded) and not want.seq) \
+            or not isinstance(node, Node) \
             or len(readers(node)) != 1:
         return None
     found = param_behind(node, want.dim, sole=True)
@@ -32,6 +33,10 @@ def wished_cut(node: Any, want: Any, param: Callable[[Any], Optional[torch.Tenso
         return None
     attr, d = found
     t = param(attr)
-    if t is None or t.shape[d] % world_size:
+    if t is None:
+        return None
+    if want.padded is not None:  # zero-padded like the value it meets (a norm weight over padded heads)
+        return None if want.padded % world_size else (str(attr.target), ParamSlice(d, padded=want.padded))
+    if t.shape[d] % world_size:
         return None
     return str(attr.target), ParamSlice(d)

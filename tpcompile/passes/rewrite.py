@@ -15,7 +15,7 @@ from tpcompile.passes.pass_context import PassContext, describe, internal_error
 from tpcompile.passes.rank_module import build_rank_module
 from tpcompile.passes.rewrite_dropout import emit_dropout, emit_sdpa_with_dropout, is_live_dropout, sdpa_dropout
 from tpcompile.passes.rewrite_regions import emit_region, is_region
-from tpcompile.passes.rewrite_slices import gather_tokens, local_slice, reduce_scatter_tokens
+from tpcompile.passes.rewrite_slices import gather_tokens, local_slice, reduce_scatter_tokens, size_node
 from tpcompile.passes.rewrite_stats import emit_stats, is_stats
 from tpcompile.placement import (REPLICATE, Partial, Replicate, Shard, cut_from_shared, is_seq, local_shape,
                                  local_sizes, padded_local, shape_key, slice_shape)
@@ -283,7 +283,14 @@ def _localize(em: _Emitter, node: Node, locs: list[tuple]) -> tuple:
 def _localize_one(em: _Emitter, node: Node, args: list, kind: str, i: int, pos: int, ws: int) -> list:
     if kind == "shape":
         sizes = list(args[i])
-        if isinstance(sizes[pos], int) and sizes[pos] != -1:
+        p = node.meta.get("tp_placement")
+        if isinstance(p, Shard) and p.padded is not None and p.outer is not None and ws == em.ws \
+                and (isinstance(sizes[pos], Node) or sizes[pos] != -1):  # batch x padded heads: outer x local heads
+            with em.graph.inserting_before(node):
+                outer = size_node(em, p.outer)
+                per = padded_local(p.padded, p.seg_pieces, ws)
+                sizes[pos] = outer * per if isinstance(outer, int) else em.call(operator.mul, outer, per)
+        elif isinstance(sizes[pos], int) and sizes[pos] != -1:
             p = node.meta.get("tp_placement")
             padded = getattr(p, "padded", None) if isinstance(p, Shard) else None
             local = padded_local(padded, p.seg_pieces, ws) if padded else sizes[pos] // ws

@@ -1,7 +1,8 @@
 """Rewrites of reductions and normalisations over a split dim (role 'stats'): local partial statistics and one
 small collective, combined exactly on every rank (sharding_rules/reductions.py chooses them).
 
-- sum / mean: the op on the local slice, all-reduced (a mean divided by the world size: equal slices).
+- sum / mean: the op on the local slice, all-reduced (a mean divided by the world size: equal slices; over a
+  zero-padded split, scaled by the local size over the real one).
 - max / min / log-sum-exp / vector norm: the op on the local slice, every rank's result gathered
   (`all_gather_replicated`, a new leading dim) and reduced again over the ranks.
 - var / std: each rank's mean and sum of squared deviations, gathered and merged (Chan et al.).
@@ -76,6 +77,8 @@ def _reduce(o: _Ops, node: Node, lookup: Lookup) -> Node:
     local.meta.pop("val", None)
     if combine in ("sum", "mean"):
         out = o.call(tp.all_reduce.default, local, o.group)
+        if combine == "mean" and o.p.padded is not None:  # local means over padded slices: scale to the real size
+            return o.call(aten.mul.Scalar, out, o.local[o.p.dim] / int(o.x.meta["val"].shape[o.p.dim]))
         return o.call(aten.div.Scalar, out, o.ws) if combine == "mean" else out
     shape = [1, *node.meta["val"].shape]
     ranks = o.gather(tp.all_gather_replicated.default, o.call(aten.unsqueeze.default, local, 0), 0, shape)

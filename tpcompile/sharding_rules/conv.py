@@ -1,7 +1,8 @@
 """Rule for convolutions with a weight parameter (1-, 2- and 3-D): split by channels, as a linear layer is by features.
 
 A convolution fed a whole input is a column split: each rank computes its output channels (the
-weight's dim 0 and the bias cut alike), so its output is split on the channel dim 1. One fed an
+weight's dim 0 and the bias cut alike, zero-padded when the world size does not divide them), so its
+output is split on the channel dim 1. One fed an
 input split on its channels is a row split: each rank convolves its input channels (the weight's
 dim 1) into a partial sum of every output channel, reduced once, the bias added after the
 reduce. Whisper's two encoder convolutions and a CNN's consecutive layers are such pairs, with
@@ -38,6 +39,11 @@ def _transposed(node: Node, spec: RuleSpec) -> bool:
     return spec.get("weight_layout") == "in_out" or bool(_arg(node, spec.get("transposed_arg"), False))
 
 
+def _padded_channels(p: Any, channels: Any) -> bool:
+    """A value split on its channels (dim 1) zero-padded past `channels` (the weight's input channels)."""
+    return isinstance(p, Shard) and p.plain_padded and p.dim == 1 and isinstance(channels, int)
+
+
 def _channel_split(p: Any) -> bool:
     """A value split plainly on its channels (dim 1), not by tokens."""
     return isinstance(p, Shard) and p.plain and p.dim == 1 and not p.seq
@@ -66,13 +72,13 @@ def weight_conv(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
             return Result(REPLICATE, [Want(x, REPLICATE)], role="replicated", params=params,
                           note="embedding convolution: whole on every rank (its output is the residual stream "
                                "the layers read whole)")
-        if channels % ctx.world_size:
-            return Result(REPLICATE, [Want(x, REPLICATE)], role="replicated", params=params,
-                          demote_self=f"{channels} output channels not divisible by world size {ctx.world_size}")
-        params = {n: ParamSlice(out_dim if n is w else 0) for n in params}
-        return Result(Shard(1), [ctx.replicated_want(x, Shard(1))], role="column", params=params)
-    if _channel_split(px):
-        params[w] = ParamSlice(in_dim)
+        ws = ctx.world_size  # channels the world size does not divide: zero-padded, as a linear's features
+        pad = None if channels % ws == 0 else -(-channels // ws) * ws
+        params = {n: ParamSlice(out_dim if n is w else 0, padded=pad) for n in params}
+        out = Shard(1, padded=pad)
+        return Result(out, [ctx.replicated_want(x, out)], role="column", params=params)
+    if _channel_split(px) or _padded_channels(px, ctx.shape(w)[in_dim]):
+        params[w] = ParamSlice(in_dim, padded=px.padded)
         out = PARTIAL if not isinstance(b, Node) and not ctx.sequence_parallel else REPLICATE
         bias = [ctx.replicated_want(b, out)] if isinstance(b, Node) else []
         return Result(out, [Want(x, px)] + bias, role="row", params=params)
@@ -105,6 +111,9 @@ def _grouped(node: Node, spec: RuleSpec, ctx: RuleContext, tensors: list) -> Res
             return Result(REPLICATE, whole, role="replicated", params=kept,
                           demote_self=f"{groups} groups not divisible by world size {ctx.world_size}")
         return _own_groups(node, spec, ctx, src, Shard(1), "column")
+    channels = ctx.shape(x)[1] if ctx.shape(x) is not None and len(ctx.shape(x)) > 1 else None
+    if _padded_channels(px, channels) and groups == channels:  # depthwise on zero-padded channels (Mamba's)
+        return _own_groups(node, spec, ctx, src, px, "channels", padded=px.padded)
     if not _channel_split(px):
         return Result(REPLICATE, whole, conflict=f"grouped convolution on an input split as {px}, not on its "
                                                  f"channels (dim 1)")
@@ -114,12 +123,16 @@ def _grouped(node: Node, spec: RuleSpec, ctx: RuleContext, tensors: list) -> Res
     return _own_groups(node, spec, ctx, src, px, "channels")
 
 
-def _own_groups(node: Node, spec: RuleSpec, ctx: RuleContext, src: Node, px: Shard, role: str) -> Result:
-    """The rank's whole groups: input channels, weight and bias cut alike on dim 0, the group count local."""
+def _own_groups(node: Node, spec: RuleSpec, ctx: RuleContext, src: Node, px: Shard, role: str,
+                padded: Optional[int] = None) -> Result:
+    """The rank's whole groups: input channels, weight and bias cut alike on dim 0, the group count local (with
+    `padded`, one group per channel of a zero-padded split: the rank's padded share of them)."""
     x, w, b = (_arg(node, spec.get(k)) for k in ("input", "weight", "bias"))
-    params: dict[Node, Optional[ParamSlice]] = {src: ParamSlice(0)}
+    params: dict[Node, Optional[ParamSlice]] = {src: ParamSlice(0, padded=padded)}
     if isinstance(b, Node) and ctx.param(b) is not None:
-        params[b] = ParamSlice(0)
-    wants = [Want(x, px), Want(w, Shard(0))] + ([Want(b, Shard(0))] if isinstance(b, Node) else [])
-    return Result(Shard(1), wants, role=role, params=params,
-                  localize=[("split", spec.get("groups_arg"), None, None)])
+        params[b] = ParamSlice(0, padded=padded)
+    cut = Shard(0, padded=padded)
+    wants = [Want(x, px), Want(w, cut)] + ([Want(b, cut)] if isinstance(b, Node) else [])
+    local = ("split", spec.get("groups_arg"), None, None) if padded is None else \
+        ("set", spec.get("groups_arg"), padded // ctx.world_size, None)
+    return Result(Shard(1, padded=padded), wants, role=role, params=params, localize=[local])

@@ -76,11 +76,11 @@ def along_dim(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
 def new_sized(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """x.new_empty(size) / new_zeros / new_ones / new_full: a fresh tensor whose size keeps x's split dim (the
     same position, the same size: `x.new_empty(*x.shape[:-1], n)`, filled by slices later) is split like x,
-    its size literal per rank; any other fresh tensor is whole."""
+    its size literal per rank (zero-padded like x, when x is); any other fresh tensor is whole."""
     x, i = node.args[0], spec.get("shape_arg")
     p, sizes = ctx.placement(x), list(node.args[i]) if i < len(node.args) else []
     xs = ctx.shape(x)
-    if isinstance(p, Shard) and p.plain and len(sizes) == len(xs) and p.dim < len(xs) \
+    if isinstance(p, Shard) and (p.plain or p.plain_padded) and len(sizes) == len(xs) and p.dim < len(xs) \
             and sizes_equal(ctx.shape(node)[p.dim], xs[p.dim]):
         return Result(p, [Want(x, p)], localize=[("shape", i, p.dim, None)])
     return Result(REPLICATE, [Want(x, p)])

@@ -9,12 +9,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional, Sequence
 
+import sympy
 import torch
 from torch.fx import Node
 
 from tpcompile.placement import REPLICATE, Shard, padding_sizes, shard_of
 from tpcompile.sharding_rules.grouped import on_one
-from tpcompile.sharding_rules.rule_context import Result, Size, Want, prod
+from tpcompile.sharding_rules.rule_context import Result, Size, Want, exact_size, prod, sizes_equal
 
 
 def padded_reshape(p: Shard, gi: Sequence[int], gj: Sequence[int], ins: Sequence[Size], outs: Sequence[Size],
@@ -27,8 +28,10 @@ def padded_reshape(p: Shard, gi: Sequence[int], gj: Sequence[int], ins: Sequence
     why = f"reshape of a dim padded from {ins[p.dim]} to {p.padded} cuts through the padding"
     if isinstance(p.padded, tuple) and not (p.outer or p.pieces or p.split_next or p.seq) and gi[0] == p.dim:
         return _segments_reshape(p, gi, gj, ins, outs, ws, why)
-    if p.segments or p.outer or p.pieces or p.seg_pieces or p.split_next or p.seq or gi[0] != p.dim:
+    if p.segments or p.pieces or p.seg_pieces or p.split_next or p.seq:
         return None, why
+    if p.outer is not None or gi[0] != p.dim:
+        return _folded_reshape(p, gi, gj, ins, outs, why)
     inner = prod([ins[d] for d in gi[1:]])
     real, full = ins[p.dim], p.padded
     if not isinstance(inner, int) or not isinstance(real, int):
@@ -40,6 +43,26 @@ def padded_reshape(p: Shard, gi: Sequence[int], gj: Sequence[int], ins: Sequence
         if not isinstance(q, int) or (real * inner) % q or (full * inner) % (ws * q):
             return None, why
         return replace(p, dim=d, padded=full * inner // q), ""
+    return None, why
+
+
+def _folded_reshape(p: Shard, gi: Sequence[int], gj: Sequence[int], ins: Sequence[Size], outs: Sequence[Size],
+                    why: str) -> tuple[Optional[Shard], str]:
+    """Padded heads folded with the dims before them and back: (B, heads, T, d) <-> (B * heads, T, d), as XGLM's
+    and BART's attention computes scores. The folded dim is `outer` repetitions of the padded heads; the dims
+    after the heads stay as they are."""
+    t = gi.index(p.dim)
+    inner = prod([ins[d] for d in gi[t + 1:]])
+    real = ins[p.dim] if p.outer is None else exact_size(sympy.sympify(ins[p.dim]) / sympy.sympify(p.outer))
+    count = prod([ins[d] for d in gi[:t]]) * (p.outer or 1)
+    if real is None or not isinstance(inner, int):
+        return None, why
+    for u, d in enumerate(gj):
+        if not sizes_equal(prod([outs[e] for e in gj[u + 1:]]), inner) or outs[d] == 1:
+            continue
+        m = exact_size(sympy.sympify(outs[d]) / sympy.sympify(real))  # repetitions folded into this dim
+        if m is not None and sizes_equal(prod([outs[e] for e in gj[:u]]) * m, count):
+            return Shard(d, padded=p.padded, outer=None if m == 1 else m), ""
     return None, why
 
 
@@ -93,3 +116,58 @@ def padded_piece(dim: int, segments: Sequence[int], pads: Sequence[int], counts:
         return Shard(dim, padded=pads[0])
     pieces = tuple(counts) if any(g < ws for g in counts) else None
     return Shard(dim, tuple(segments), padded=tuple(pads), seg_pieces=pieces)
+
+
+# ops whose result is zero wherever their padded operands are zero (layouts, casts, f(0) = 0)
+_KEEPS_ZERO = frozenset(
+    "aten.view.default aten.reshape.default aten._unsafe_view.default aten.transpose.int aten.permute.default "
+    "aten.t.default aten.unsqueeze.default aten.squeeze.dim aten.squeeze.default aten.expand.default "
+    "aten.flatten.using_ints aten.unflatten.int aten.slice.Tensor aten.select.int aten.contiguous.default "
+    "aten.clone.default aten._to_copy.default aten.to.dtype aten.to.dtype_layout aten.type_as.default "
+    "aten.alias.default aten.detach.default aten.neg.default aten.abs.default aten.relu.default aten.silu.default "
+    "aten.gelu.default aten.tanh.default aten.sin.default aten.sqrt.default aten.square.default "
+    "aten.mul.Scalar aten.div.Scalar aten.dropout.default aten.cat.default aten.add.Tensor aten.sub.Tensor "
+    "aten.mul.Tensor aten.div.Tensor aten.pow.Tensor_Scalar".split())
+
+
+def zero_padded(x: Node, placement, depth: int = 24) -> bool:
+    """True when the padding of `x`'s padded split is known to hold zeros: it comes from weight ops whose padded
+    weight rows (and bias) are zeros, through ops that keep zeros (a layout op, a cast, f(0) = 0, a product with a
+    factor, a sum of padded values). A sum or mean over the padded dim is then the sum of what the ranks hold."""
+    from tpcompile.sharding_rules.table import op_name
+
+    p = placement(x)
+    if not isinstance(p, Shard) or p.padded is None:
+        return False
+    if depth <= 0 or not isinstance(x, Node):
+        return False
+    spec = x.meta.get("tp_rule")
+    if spec is not None and spec.rule == "weight_matmul":
+        act = x.args[0] if x.args else None
+        if isinstance(act, Node) and isinstance(placement(act), Shard) and placement(act).padded is not None:
+            return zero_padded(act, placement, depth - 1) and (len(x.args) < 3 or x.args[2] is None)
+        return True
+    name = op_name(x.target) if x.op == "call_function" else ""
+    if name not in _KEEPS_ZERO:
+        return False
+    if name == "aten.pow.Tensor_Scalar" and not (isinstance(x.args[1], (int, float)) and x.args[1] > 0):
+        return False
+    if name in ("aten.add.Tensor", "aten.sub.Tensor") and not isinstance(x.args[1], Node):
+        return False  # x + 1 fills the padding
+    tensors = [a for a in _flat(x.args) if isinstance(a, Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+    padded = [a for a in tensors if isinstance(placement(a), Shard) and placement(a).padded is not None]
+    if name in ("aten.mul.Tensor",):  # one zero factor makes the product zero
+        return any(zero_padded(a, placement, depth - 1) for a in padded)
+    if name == "aten.div.Tensor":
+        return bool(tensors) and tensors[0] in padded and zero_padded(tensors[0], placement, depth - 1) \
+            and all(a not in padded for a in tensors[1:])
+    # every tensor operand padded alike and zero there (a sum with a whole value would fill the padding)
+    return bool(padded) and len(padded) == len(tensors) and all(zero_padded(a, placement, depth - 1) for a in padded)
+
+
+def _flat(args):
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from _flat(a)
+        else:
+            yield a

@@ -18,6 +18,7 @@ from torch.fx import Node
 
 from tpcompile.placement import REPLICATE, Replicate, Shard, moved, split_dims
 from tpcompile.sharding_rules.dtensor_fallback import example_numel, example_size
+from tpcompile.sharding_rules.padded import zero_padded
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim
 from tpcompile.sharding_rules.table import RuleSpec, op_name
@@ -167,6 +168,10 @@ def _cannot(node: Node, spec: RuleSpec, ctx: RuleContext, p: Shard, dims: list[i
     if combine is None:
         return "no way to combine partial results of this op"
     if not _splittable(p):
+        order = node.args[1] if len(node.args) > 1 else node.kwargs.get("ord", 2)
+        adds = combine in ("sum", "mean") or (combine == "norm" and isinstance(order, (int, float)) and order > 0)
+        if adds and p.plain_padded and zero_padded(node.args[0], ctx.placement):
+            return None  # the padding holds zeros: the ranks' sums add up to the real one
         return f"the split {p} holds shared or padded parts"
     if combine in ("var", "std") and (dims != [p.dim] or not isinstance(ctx.shape(node.args[0])[p.dim], int)):
         return "a variance from partial statistics is combined over the split dim alone"
@@ -195,11 +200,14 @@ def norm(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     nd, k = len(ctx.shape(x)), _trailing(node, spec, ctx, x)
     if max(split_dims(p)) < nd - k:
         return Result(p, [Want(x, p)] + [ctx.replicated_want(n, p) for n in extra])
-    if k != 1 or not p.plain or not isinstance(ctx.shape(x)[-1], int):
+    rms = "rms_norm" in str(node.target)
+    # RMSNorm over a zero-padded split: the padding adds nothing to the sum of squares (divided by the real size)
+    padded = rms and k == 1 and p.plain_padded and zero_padded(x, ctx.placement)
+    if k != 1 or not (p.plain or padded) or not isinstance(ctx.shape(x)[-1], int):
         return Result(REPLICATE, [Want(n, REPLICATE) for n in [x] + extra],
                       conflict=f"normalises over the sharded dim {p.dim} (split as {p}, over {k} dims)")
-    wants = [Want(x, p)] + [Want(n, Shard(0)) for n in extra]  # this rank's slice of the weight and bias
-    rms = "rms_norm" in str(node.target)
+    cut = Shard(0, padded=p.padded) if padded else Shard(0)
+    wants = [Want(x, p)] + [Want(n, cut) for n in extra]  # this rank's slice of the weight and bias
     return choose(node, x, ctx, 1 if rms else 2, "RMSNorm" if rms else "LayerNorm", Result(p, wants))
 
 

@@ -17,7 +17,7 @@ from tpcompile.sharding_rules.rule_context import (Result, RuleContext, Size, Wa
 from tpcompile.sharding_rules.table import RuleSpec
 from tpcompile.sharding_rules.tokens import merged_tokens
 
-_ALONG = {"dim_arg": int, "default_dim": int}  # ops acting along one dim: its argument position, default
+ALONG = {"dim_arg": int, "default_dim": int}  # ops acting along one dim: its argument position, default
 
 
 def _passthrough(node: Node, ctx: RuleContext) -> Optional[Result]:
@@ -238,13 +238,14 @@ def permute(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     return Result(moved(p, dims.index(p.dim)), [Want(x, p)])
 
 
-def _dim(node: Node, spec: RuleSpec, ndim: int) -> int:
+def along(node: Node, spec: RuleSpec, ndim: int) -> int:
+    """The dim an op acting along one dim names (its argument, or its default), normalised."""
     i = spec.get("dim_arg")
     dim = node.args[i] if i < len(node.args) else node.kwargs.get("dim", spec.get("default_dim", 0))
     return norm_dim(dim, ndim)
 
 
-@rule("split", args=_ALONG)
+@rule("split", args=ALONG)
 def split(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """split / split_with_sizes / chunk: pieces along the sharded dim must be whole segments."""
     x = node.args[0]
@@ -252,7 +253,7 @@ def split(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     pieces = [v.shape for v in node.meta["val"]]
     if isinstance(p, Replicate):
         return Result(tuple(REPLICATE for _ in pieces), [Want(x, REPLICATE)])
-    dim = _dim(node, spec, len(ctx.shape(x)))
+    dim = along(node, spec, len(ctx.shape(x)))
     if p.split_next and dim == p.dim + 1:
         return _fail(node, f"split along dim {dim}, which is split within pieces")
     if p.dim != dim:
@@ -284,7 +285,7 @@ def split(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     return Result(tuple(outs), [Want(x, p)], localize=loc)
 
 
-@rule("unbind", args=_ALONG)
+@rule("unbind", args=ALONG)
 def unbind(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """unbind: fine along any dim but the sharded one."""
     x = node.args[0]
@@ -292,24 +293,8 @@ def unbind(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     n = len(node.meta["val"])
     if isinstance(p, Replicate):
         return Result(tuple(REPLICATE for _ in range(n)), [Want(x, REPLICATE)])
-    dim = _dim(node, spec, len(ctx.shape(x)))
+    dim = along(node, spec, len(ctx.shape(x)))
     if dim in split_dims(p):
         return _fail(node, "unbind along the sharded dim")
     out = moved(p, p.dim - (dim < p.dim))
     return Result(tuple(out for _ in range(n)), [Want(x, p)])
-
-
-@rule("cat", args=_ALONG)
-def cat(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
-    """cat along a dim other than the sharded one; replicated pieces are sliced locally."""
-    tensors = list(node.args[0])
-    ndim = len(ctx.shape(node))
-    if ctx.all_replicated(tensors):
-        return Result(REPLICATE, [Want(t, REPLICATE) for t in tensors])
-    dim = _dim(node, spec, ndim)
-    placements = {ctx.placement(t) for t in tensors if isinstance(ctx.placement(t), Shard)}
-    target = placements.pop()
-    if placements or dim in split_dims(target):
-        return Result(REPLICATE, [Want(t, REPLICATE) for t in tensors],
-                      conflict="cat of differently sharded values or along the sharded dim")
-    return Result(target, [Want(t, target) for t in tensors])

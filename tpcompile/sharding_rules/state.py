@@ -36,9 +36,11 @@ def write_into(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return Result(REPLICATE, [Want(n, REPLICATE) for n in tensors])
     ps, pd = ctx.placement(src), ctx.placement(dst)
     dshape, sshape = ctx.shape(dst), ctx.shape(src)
-    if isinstance(pd, Shard) and pd.plain and not pd.seq and ctx.all_replicated([n for n in tensors if n is not dst]) \
+    if isinstance(pd, Shard) and (pd.plain or pd.plain_padded) and not pd.seq \
+            and ctx.all_replicated([n for n in tensors if n is not dst]) \
             and len(sshape) == len(dshape) and sshape[pd.dim] == dshape[pd.dim] and _buffer_under(dst, -1, ctx) is None:
         # a whole value written into a split temporary (`out[..., :n].copy_(whole)`): each rank writes its part
+        # (of the padded heads, zeros past the real ones)
         return Result(pd, [Want(dst, pd), Want(src, pd)] + [Want(n, REPLICATE) for n in tensors if n not in (dst, src)])
     if not isinstance(ps, Shard) or ps.segments or (ps.padded and not ps.plain_padded) or ps.outer or ps.seq \
             or len(sshape) != len(dshape):  # heads zero-padded to a multiple of the ranks: the buffer is padded too
