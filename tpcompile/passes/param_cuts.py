@@ -8,6 +8,10 @@ unary elementwise ops, unsqueeze, squeeze, transpose), each with no other reader
 is stored cut instead, and the ops before the reader run on the slice. Such a cut is a wish, not
 a demand: it is made only when every wish for the parameter agrees, no weight op cuts it and
 the parameter has one name (not tied) (Sweep.settle_parameters), so it never creates a conflict.
+
+A parameter that two weight ops cut two ways (`cut_two_ways`): a tied vocabulary table that the embedding cuts by
+rows and a masked-LM head, after a split transform, by its input features. The transform's weights are kept whole
+instead, where they hold fewer bytes than the table, so the head reads the table by rows too.
 """
 from __future__ import annotations
 
@@ -16,8 +20,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch.fx import Node
 
+from tpcompile.passes.pass_context import describe
 from tpcompile.placement import ParamSlice, Shard
-from tpcompile.sharding_rules.rule_context import param_behind, readers
+from tpcompile.sharding_rules.rule_context import Choice, param_behind, readers
 
 
 def wished_cut(node: Any, want: Any, param: Callable[[Any], Optional[torch.Tensor]],
@@ -40,3 +45,29 @@ def wished_cut(node: Any, want: Any, param: Callable[[Any], Optional[torch.Tenso
     if t.shape[d] % world_size:
         return None
     return str(attr.target), ParamSlice(d)
+
+
+def cut_two_ways(target: str, by_slice: dict, ctx: Any,
+                 weight_args: Callable[[Node], set]) -> Optional[tuple[frozenset, str]]:
+    """A parameter cut two ways, one of them by a row split (a tied vocabulary: the embedding cuts its rows,
+    the head after a split transform its input features): the weights that split the row reader's input
+    are kept whole when they hold fewer bytes than the parameter, so that it is cut one way; a planned
+    choice. None when that does not apply."""
+    if None in by_slice or len(by_slice) != 2:
+        return None
+    rows = {sl: users for sl, users in by_slice.items()
+            if all(u.meta.get("tp_layout") is not None and u.meta["tp_layout"].role == "row" for u in users)}
+    if len(rows) != 1:
+        return None
+    (sl, row_users), = rows.items()
+    feeders = frozenset().union(*(ctx.row_inputs.get(u, frozenset()) for u in row_users))
+    tensors = {id(t): t for f in feeders for w in weight_args(f) for t in [ctx.tensors.get(w.target)]
+               if t is not None}
+    own = ctx.tensors.get(target)
+    if not feeders or own is None or sum(t.numel() for t in tensors.values()) > own.numel():
+        return None
+    names = ", ".join(sorted(describe(u) for u in row_users))
+    other = next(k for k in by_slice if k is not sl).dim
+    return feeders, Choice(f"{names}: its input is kept whole, so that {target} is cut one way: along dim "
+                           f"{other} as its other readers cut it, not along dim {sl.dim} by this row split "
+                           f"(the weights that would split the input hold fewer bytes than {target})")

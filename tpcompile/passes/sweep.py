@@ -12,7 +12,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from tpcompile.passes.layout import Layout
-from tpcompile.passes.param_cuts import wished_cut
+from tpcompile.passes.param_cuts import cut_two_ways, wished_cut
 from tpcompile.passes.op_result import check_wants, gathering_seq, op_result
 from tpcompile.passes.pass_context import PassContext, describe, internal_error
 from tpcompile.passes.region_bodies import place_body
@@ -23,7 +23,9 @@ from tpcompile.sharding_rules.rule_context import Choice, Result, RuleContext, W
 SEED_RULES = ("weight_matmul", "weight_conv", "embedding", "weight_contract")  # the ops that hold the weights a split starts from
 WRITE_RULES = ("write_into",)  # in-place writes into a buffer, which they cut like the value written
 SEED_ROLES = ("column", "vocab")  # the roles that start a split (a row split ends one)
-_INPUT_LIKE = ("reshape", "pointwise", "expand")  # ops that keep a model input a model input
+# ops that keep a model input a model input: views, casts, parts of it, values written into a copy of it (the
+# ids an embedding reads are checked against its rows whatever their source, passes/rewrite.py _emit_vocab)
+_INPUT_LIKE = ("reshape", "pointwise", "expand", "slice", "select", "write_into")
 
 
 def seed_path(node: Node) -> Optional[str]:
@@ -200,8 +202,9 @@ class Sweep:
         progress = self.regroups or any(o not in self.ctx.demoted for origins, _ in self.conflicts for o in origins)
         for target, by_slice in self.requests.items():
             if len(by_slice) > 1 and not progress:
-                users = frozenset().union(*(s for sl, s in by_slice.items() if sl is not None))
-                self.conflicts.append((users, f"parameter {target} is used both split and whole"))
+                self.conflicts.append(cut_two_ways(target, by_slice, self.ctx, _weight_args) or (
+                    frozenset().union(*(s for sl, s in by_slice.items() if sl is not None)),
+                    f"parameter {target} is used both split and whole"))
             sl = next(iter(by_slice)) if len(by_slice) == 1 else None
             self.ctx.param_slices[target] = sl
             if sl is not None:
