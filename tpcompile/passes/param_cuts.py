@@ -71,3 +71,21 @@ def cut_two_ways(target: str, by_slice: dict, ctx: Any,
     return feeders, Choice(f"{names}: its input is kept whole, so that {target} is cut one way: along dim "
                            f"{other} as its other readers cut it, not along dim {sl.dim} by this row split "
                            f"(the weights that would split the input hold fewer bytes than {target})")
+
+
+def cut_unread(gm: Any, ctx: Any) -> list[str]:
+    """Cut along dim 0 (zero-padded when the world size does not divide it) each parameter the captured graph never
+    reads: a causal-LM decoder's cross-attention run without an encoder, a head the forward skips. No op sees it,
+    so each rank only stores its share, and checkpoints put it back together. The names cut."""
+    read = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.users}  # (export keeps dead reads)
+    ws, cut, seen = ctx.world_size, [], set()
+    for name, t in ctx.tensors.items():
+        if not isinstance(t, torch.nn.Parameter) or id(t) in seen or t.dim() == 0 or t.shape[0] < ws:
+            continue
+        seen.add(id(t))
+        if any(a in read for a in ctx.aliases(name)) or ctx.slice_for(name) is not None:
+            continue
+        rows = int(t.shape[0])
+        ctx.param_slices[name] = ParamSlice(0, padded=None if rows % ws == 0 else -(-rows // ws) * ws)
+        cut.append(name)
+    return cut

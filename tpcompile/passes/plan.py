@@ -24,7 +24,7 @@ class ParamPlan:
     """What one parameter became: its split, and its global and per-rank shapes."""
 
     name: str
-    role: str  # column | row | vocab | replicated
+    role: str  # column | row | vocab | follows | unread | replicated
     dim: Optional[int]
     segments: Optional[tuple[int, ...]]
     global_shape: tuple[int, ...]
@@ -91,6 +91,8 @@ def build_plan(gm: GraphModule, ctx: PassContext) -> Plan:
         roles = [plan.modules[o] for o in owners if o in plan.modules]
         # "follows": cut like the split value it is combined with, by no weight op of its own (param_cuts.py)
         role = next((r for r in roles if r != "replicated"), "follows") if sl is not None else "replicated"
+        if name in ctx.unread:  # no op reads it: cut for storage only (param_cuts.cut_unread)
+            role = "unread"
         local = slice_shape(t.shape, sl, ctx.world_size)
         tied = tuple(n for n in ctx.aliases(name) if n != name)
         plan.parameters[name] = ParamPlan(name, role, None if sl is None else sl.dim,

@@ -27,6 +27,7 @@ import warnings
 from torch.fx import GraphModule, Node
 
 from tpcompile.errors import TPCompileError, TPCompileWarning
+from tpcompile.passes.param_cuts import cut_unread
 from tpcompile.passes.pass_context import PassContext
 from tpcompile.passes.sweep import SEED_RULES, Layout, Sweep, seed_path
 from tpcompile.placement import REPLICATE, slice_placement
@@ -71,6 +72,7 @@ def propagate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
     else:
         raise TPCompileError(f"propagate did not settle in {bound} rounds for {len(seeds)} weight ops; this is a "
                              f"tpcompile bug, please report it with the model")
+    ctx.unread = cut_unread(gm, ctx)
     for node in gm.graph.nodes:  # weights read only by the ops that cut them: say how the last round cut them
         if node.op == "get_attr":
             sl = ctx.param_slices.get(node.target)
