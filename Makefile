@@ -7,7 +7,7 @@ TPCOMPILE_FUZZ_EXAMPLES ?= 2000
 # The default suite (in-process; the short fuzz run included), then the tests that start real gloo
 # processes and the restart test, as .ci/run runs them.
 test:
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n 2
 	$(PYTHON) -m pytest -q -m 'gloo and not slow and not hybrid and not restart'
 	$(PYTHON) -m pytest -q -m restart
 
