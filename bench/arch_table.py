@@ -21,7 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from hf_models import ALL_ARCHS, SIZES, Arch, build, inputs, param_bytes  # noqa: E402
+from hf_models import ALL_ARCHS, SIZES, Arch, balanced_bytes, build, inputs, param_bytes  # noqa: E402
 
 import tpcompile  # noqa: E402
 from tpcompile.ops import collectives as C  # noqa: E402
@@ -63,6 +63,7 @@ def run_one(arch: Arch, ws: int, run: tuple[int, int] = RUN, config: Optional[di
     local, total = param_bytes(model, sm)
     share = local / total
     return {"diff": diff, "counts": counts, "share": share, "total": total, "warnings": warned,
+            "balanced": local / balanced_bytes(model, sm),
             "seconds": time.perf_counter() - start}
 
 

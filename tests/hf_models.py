@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -248,6 +248,37 @@ def param_bytes(model: torch.nn.Module, sm: Any) -> tuple[int, int]:
     sizes = {n: p.element_size() for n, p in model.named_parameters(remove_duplicate=False)}
     local = sum(math.prod(pp.local_shape) * sizes[n] for n, pp in sm.plan.parameters.items())
     return local, sum(math.prod(pp.global_shape) * sizes[n] for n, pp in sm.plan.parameters.items())
+
+
+def balanced_bytes(model: torch.nn.Module, sm: Any) -> int:
+    """The largest rank's parameter bytes if every parameter the plan splits were split balanced by whole units.
+
+    A unit is one head (head_dim features) for a split segment of an attention module's parameter whose size
+    is a multiple of head_dim, one feature elsewhere; a segment of U units puts ceil(U / ws) of them on the
+    largest rank. Parameters the plan keeps whole count whole. The reference for "within one unit of balanced".
+    """
+    cfg = model.config
+
+    def head_dim_of(name: str) -> Optional[int]:  # an encoder-decoder's two stacks may differ in heads
+        side = next((f"{s}_attention_heads" for s in ("encoder", "decoder") if f"{s}." in name), None)
+        heads = getattr(cfg, side, None) if side else None
+        heads = heads or getattr(cfg, "num_attention_heads", None)
+        return getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads else None)
+
+    sizes = {n: p.element_size() for n, p in model.named_parameters(remove_duplicate=False)}
+    ws, total = sm.world_size, 0
+    for n, pp in sm.plan.parameters.items():
+        shape, item = tuple(pp.global_shape), sizes[n]
+        if pp.dim is None:
+            total += math.prod(shape) * item
+            continue
+        attn = any(w in n.lower() for w in ("attn", "attention"))
+        head_dim = head_dim_of(n)
+        rest = math.prod(shape) // shape[pp.dim]
+        for seg in pp.segments or (shape[pp.dim],):
+            unit = head_dim if attn and head_dim and seg % head_dim == 0 else 1
+            total += -(-seg // unit // ws) * unit * rest * item
+    return total
 
 
 def held_share(model: torch.nn.Module, sm: Any) -> float:
