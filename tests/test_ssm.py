@@ -167,3 +167,37 @@ def test_a_size_read_of_a_whole_dim_needs_no_gather() -> None:
     with torch.no_grad():
         for out in tpcompile.simulate(sm, x):
             torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+class SharedStateConv(nn.Module):
+    """Mamba-2's pattern: x|B|C from one projection, one depthwise convolution over all of them (its weight read
+    as `conv.weight.squeeze(1)`, then `unsqueeze(1)` inside F.conv1d), then split into x, B and C; B and C are
+    one group of 4 channels, which a split by ranks would cut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(16, 32 + 8)
+        self.conv = nn.Conv1d(40, 40, 3, groups=40)
+        self.out = nn.Linear(32, 16)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        xbc = self.in_proj(h).transpose(1, 2)
+        w = self.conv.weight.squeeze(1)
+        xbc = F.conv1d(F.pad(xbc, (2, 0)), w.unsqueeze(1), self.conv.bias, groups=40).transpose(1, 2)
+        x, b, c = torch.split(xbc, [32, 4, 4], dim=-1)
+        return self.out(x * (b * c).sum(-1, keepdim=True))
+
+
+def test_a_convolution_weight_read_through_views_is_read_whole_once_its_split_is_refused() -> None:
+    """The split of x|B|C cuts B and C, so the projection and the convolution are replicated (a warning names the
+    split); the weight, cut in an earlier round, is then read whole again rather than its views keeping the cut
+    alive (which ended in 'cannot place these ops'); exact."""
+    torch.manual_seed(0)
+    model = SharedStateConv().eval()
+    with pytest.warns(tpcompile.TPCompileWarning, match=r"split into \[32, 4, 4\]"):
+        sm = tpcompile.shard(model, 2, example_inputs=(torch.randn(2, 6, 16),))
+    assert sm.plan.parameters["conv.weight"].role == "replicated"
+    x = torch.randn(3, 9, 16)
+    with torch.no_grad():
+        for out in tpcompile.simulate(sm, x):
+            torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)

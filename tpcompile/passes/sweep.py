@@ -18,7 +18,7 @@ from tpcompile.passes.pass_context import PassContext, describe, internal_error
 from tpcompile.passes.region_bodies import place_body
 from tpcompile.placement import REPLICATE, ParamSlice, Shard, is_seq, slice_placement
 from tpcompile.sharding_rules.partial import partial_result
-from tpcompile.sharding_rules.rule_context import Choice, Result, RuleContext, Want, weight_view
+from tpcompile.sharding_rules.rule_context import Choice, Result, RuleContext, Want, keeps_entries, weight_view
 
 SEED_RULES = ("weight_matmul", "weight_conv", "embedding", "weight_contract")  # the ops that hold the weights a split starts from
 WRITE_RULES = ("write_into",)  # in-place writes into a buffer, which they cut like the value written
@@ -176,7 +176,9 @@ class Sweep:
         """Write the node's placement and layout; note its parameter uses and its origins."""
         for p, sl in res.params.items():
             self.requests.setdefault(p.target, {}).setdefault(sl, set()).add(node)
-        for w in res.wants if node not in self.tainted else ():  # after a conflict, wants are guesses
+        # after a conflict, wants are guesses; a step on the way from a parameter (a cast, a squeeze) only passes
+        # on the placement it reads, which would keep a cut alive once its reader no longer wants it
+        for w in res.wants if node not in self.tainted and not keeps_entries(node) else ():
             wish = wished_cut(w.node, w.placement, self.param, self.ctx.world_size)
             if wish is not None:
                 self.wishes.setdefault(wish[0], {}).setdefault(wish[1], set()).update(src)

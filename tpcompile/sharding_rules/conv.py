@@ -98,7 +98,7 @@ def _grouped(node: Node, spec: RuleSpec, ctx: RuleContext, tensors: list) -> Res
     px, groups = ctx.placement(x), _arg(node, spec.get("groups_arg"))
     kept = {} if src is None else {src: None, **({b: None} if isinstance(b, Node) and ctx.param(b) is not None
                                                else {})}
-    if isinstance(px, Replicate) and (src is None or not ctx.all_replicated(tensors)):
+    if isinstance(px, Replicate) and src is None:  # (a weight view already cut as this rule cuts it is fine)
         if ctx.all_replicated(tensors):
             return Result(REPLICATE, whole)
         return Result(REPLICATE, whole, conflict="grouped convolution with a computed weight on a split input")

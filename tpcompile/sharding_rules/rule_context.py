@@ -187,6 +187,17 @@ def _input_dim(node: Node, d: int) -> Optional[int]:
     return None
 
 
+def keeps_entries(node: Node) -> bool:
+    """An op of one tensor that keeps its entries in place (a cast, an entry-wise unary op, unsqueeze, squeeze,
+    transpose): the steps param_behind looks through."""
+    return node.op == "call_function" and bool(node.args) and isinstance(node.args[0], Node) \
+        and not any(isinstance(a, Node) for a in node.args[1:]) \
+        and (op_name(node.target) in _ENTRYWISE or op_name(node.target) in _MOVES)
+
+
+_MOVES = ("aten.unsqueeze.default", "aten.squeeze.dim", "aten.transpose.int")
+
+
 def param_behind(node: Any, d: int, sole: bool = False, depth: int = 8) -> Optional[tuple[Node, int]]:
     """(the get_attr node `node` reads through fewer than `depth` entry-wise ops, the dim of it that dim d of
     `node` holds), else None; with `sole`, each value on the way (the get_attr included) has no other reader."""
