@@ -53,6 +53,13 @@ def slice_(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     args = list(node.args) + [None] * (5 - len(node.args))
     start, end = (_bound(args[2], size, 0), _bound(args[3], size, size)) if isinstance(size, int) else (None, None)
     per_segment = isinstance(p.padded, tuple)  # segments each padded to its own size: slices of whole ones
+    step = args[4]
+    if isinstance(step, int) and step > 1 and p.plain and not p.seq and start is not None and start < step \
+            and end == size and size % (ctx.world_size * step) == 0:
+        # every step-th entry (gpt-oss's interleaved gate|up, `[..., ::2]` and `[..., 1::2]`): each rank's block
+        # holds whole strides, so its own strided entries are the rank's share of the global ones
+        ends = [("split", 3, dim, None)] if len(node.args) > 3 and node.args[3] == size else []
+        return Result(Shard(dim), [Want(x, p)], localize=ends)
     if start is None or end is None or args[4] not in (None, 1) or (p.padded and not per_segment) or p.outer \
             or p.pieces:
         return _fail(node, "slice along the split dim")
