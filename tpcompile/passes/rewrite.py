@@ -13,7 +13,8 @@ from tpcompile.ops.guards import check_token_ids
 from tpcompile.ops.schedule import collective_name
 from tpcompile.passes.pass_context import PassContext, describe, internal_error
 from tpcompile.passes.rank_module import build_rank_module
-from tpcompile.passes.rewrite_dropout import emit_dropout, emit_sdpa_with_dropout, is_live_dropout, sdpa_dropout
+from tpcompile.passes.rewrite_dropout import (emit_dropout, emit_sdpa_with_dropout, is_idle_dropout, is_live_dropout,
+                                             sdpa_dropout)
 from tpcompile.passes.rewrite_regions import emit_region, is_region
 from tpcompile.passes.rewrite_slices import gather_tokens, local_slice, reduce_scatter_tokens, size_node
 from tpcompile.passes.rewrite_stats import emit_stats, is_stats
@@ -155,6 +156,7 @@ REWRITES: list[tuple[Callable[[Node], bool], Emit]] = [
     # cond / map / an autocast region: its bodies rewritten for this rank
     (is_region, lambda em, node, lookup: emit_region(em, node, lookup, _rewrite_node)),
     (lambda node: _stale_metadata_assert(node), _drop),  # asserts a sharded tensor's global size
+    (is_idle_dropout, lambda em, node, lookup: lookup(node.args[0])),  # off (eval, p = 0): the identity, no op
     (is_live_dropout, emit_dropout),  # mask from each element's position in the whole tensor (ops/rng.py)
     (_is_sdpa_with_dropout, emit_sdpa_with_dropout),  # attention spelled out, its probabilities masked alike
     (lambda node: True, _emit_copy),  # everything else: the same op on local values

@@ -31,6 +31,14 @@ def is_live_dropout(node: Node) -> bool:
     return bool(train) and isinstance(p, (int, float)) and p > 0
 
 
+def is_idle_dropout(node: Node) -> bool:
+    """aten.dropout that is off (captured in eval mode, or p = 0): the identity, which the rank graphs leave out."""
+    if node.target is not aten.dropout.default:
+        return False
+    p, train = node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+    return train is False or (isinstance(p, (int, float)) and p == 0)
+
+
 def emit_dropout(em: Any, node: Node, lookup: Callable[[Node], Node]) -> Node:
     """x * mask, each element's decision drawn from its position in the whole tensor."""
     shape = list(node.meta["val"].shape)
