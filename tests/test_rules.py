@@ -306,3 +306,22 @@ def test_output_of_heads_shared_by_ranks_is_not_gathered() -> None:
     with pytest.warns(tpcompile.TPCompileWarning, match=r"output reshape is 2 pieces shared among 4 ranks; a gather "
                                                          r"would repeat them; replicating k, q, v"):
         _check(FewHeadsNoProjection(), torch.randn(2, 5, 8), ws=4)
+
+
+class CatWithEmpty(nn.Module):
+    """A cache-like `torch.cat([torch.tensor([]), x], dim=1)`: cat skips the empty 1-D tensor (XLM's past states)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.cat([torch.tensor([]), F.gelu(self.up(x))], dim=0)
+        return self.down(h)
+
+
+def test_cat_with_an_empty_1d_tensor_keeps_the_split() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpcompile.TPCompileWarning)
+        sm = _check(CatWithEmpty().eval(), torch.randn(4, 32))
+    assert sm.plan.modules == {"up": "column", "down": "row"}
