@@ -70,26 +70,6 @@ class Encoder(nn.Module):
     def example_inputs(self) -> tuple:
         return (torch.randn(2, 5, 32),)
 
-
-class NormedHeads(nn.Module):
-    """4 heads, q/k/v each LayerNorm'd over all of its heads: at 3 ranks padded by heads, which the norm refuses."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.q, self.k, self.v, self.wo = (nn.Linear(48, 48) for _ in range(4))
-        self.qn, self.kn, self.vn = (nn.LayerNorm(48) for _ in range(3))
-        self.norm, self.fc, self.proj = nn.LayerNorm(48), nn.Linear(48, 192), nn.Linear(192, 48)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        q, k, v = (n(p(x)).view(B, T, 4, 12).transpose(1, 2)
-                   for p, n in ((self.q, self.qn), (self.k, self.kn), (self.v, self.vn)))
-        x = x + self.wo(nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, 48))
-        return x + self.proj(torch.relu(self.fc(self.norm(x))))
-
-    def example_inputs(self) -> tuple:
-        return (torch.randn(2, 5, 48),)
 '''
 
 
@@ -170,10 +150,11 @@ def test_capture_failures_in_concrete_sizes(capsys: pytest.CaptureFixture[str]) 
     assert hint.startswith("try: --inputs that take") and "tpcompile.shard(..., dynamic_shapes=...) from Python" in hint
 
 
-def test_plan_shows_each_warning_once_in_words(capsys: pytest.CaptureFixture[str], models: Path) -> None:
+def test_plan_shows_each_warning_once_in_words(capsys: pytest.CaptureFixture[str]) -> None:
     """At 3 ranks each replicated module is one line under the tables, without placement notation; --debug has
     the long form (q, k and v normalised over their padded heads by LayerNorms, which count the padding)."""
-    assert main(["plan", f"{models}:NormedHeads", "-w", "3"]) == 0
+    normed = [f"{Path(__file__).parent / 'test_soundness.py'}:HeadsNotDivisible", "-w", "3", "--inputs", "2x5x48"]
+    assert main(["plan", *normed]) == 0
     out, err = capsys.readouterr()
     assert "warning" not in err
     notes = out.split("backward-only markers")[1].splitlines()[1:]
@@ -183,7 +164,7 @@ def test_plan_shows_each_warning_once_in_words(capsys: pytest.CaptureFixture[str
     assert len(modules) == len(set(modules))
     assert all(out.count(f"replicating {m}") == 0 for m in modules)
     assert not re.search(r"\bS\(\d|\bis R\b|results stay exact", "\n".join(notes))
-    assert main(["plan", f"{models}:NormedHeads", "-w", "3", "--debug"]) == 0
+    assert main(["plan", *normed, "--debug"]) == 0
     assert "results stay exact" in capsys.readouterr().out
 
 

@@ -154,20 +154,12 @@ def zero_padded(x: Node, placement, depth: int = 24) -> bool:
         return False
     if name in ("aten.add.Tensor", "aten.sub.Tensor") and not isinstance(x.args[1], Node):
         return False  # x + 1 fills the padding
-    tensors = [a for a in _flat(x.args) if isinstance(a, Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+    tensors = [a for a in x.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
     padded = [a for a in tensors if isinstance(placement(a), Shard) and placement(a).padded is not None]
     if name in ("aten.mul.Tensor",):  # one zero factor makes the product zero
         return any(zero_padded(a, placement, depth - 1) for a in padded)
-    if name == "aten.div.Tensor":
-        return bool(tensors) and tensors[0] in padded and zero_padded(tensors[0], placement, depth - 1) \
-            and all(a not in padded for a in tensors[1:])
+    if name == "aten.div.Tensor":  # zeros over a divisor that is not padded (not 0 / 0)
+        num, den = x.args[0], x.args[1]
+        return num in padded and den not in padded and zero_padded(num, placement, depth - 1)
     # every tensor operand padded alike and zero there (a sum with a whole value would fill the padding)
     return bool(padded) and len(padded) == len(tensors) and all(zero_padded(a, placement, depth - 1) for a in padded)
-
-
-def _flat(args):
-    for a in args:
-        if isinstance(a, (list, tuple)):
-            yield from _flat(a)
-        else:
-            yield a
