@@ -21,7 +21,7 @@ import torch
 from torch.fx import Node
 
 from tpcompile.passes.pass_context import describe
-from tpcompile.placement import ParamSlice, Shard
+from tpcompile.placement import REPLICATE, ParamSlice, Shard
 from tpcompile.sharding_rules.rule_context import Choice, param_behind, readers
 
 
@@ -89,3 +89,22 @@ def cut_unread(gm: Any, ctx: Any) -> list[str]:
         ctx.param_slices[name] = ParamSlice(0, padded=None if rows % ws == 0 else -(-rows // ws) * ws)
         cut.append(name)
     return cut
+
+
+def wished_upstream(sweep: Any) -> set[str]:
+    """The parameters cut by wishes whose split reaches one of a sweep's conflicts along split values: what keeps
+    a conflict alive once every seed it could blame is replicated (read split as the last round cut it, the op
+    combining it with the now whole value still wants it split)."""
+    found, todo, seen = set(), list(sweep.conflicted), set()
+    while todo:
+        n = todo.pop()
+        for i in n.all_input_nodes:
+            p = i.meta.get("tp_placement", REPLICATE)
+            if i in seen or not (isinstance(p, Shard) or (isinstance(p, tuple) and any(isinstance(q, Shard) for q in p))):
+                continue
+            seen.add(i)
+            if i.op != "get_attr":
+                todo.append(i)
+            elif sweep.assumed.get(i.target) is not None and i.target not in sweep.requests:
+                found.add(str(i.target))
+    return found

@@ -17,7 +17,13 @@ round reads it anew.
 Bound: each round but the last demotes or regroups at least one seed, or resettles a parameter
 (never twice in a row: a second resettle without progress demotes that parameter's seeds); a
 seed is demoted at most once and regrouped at most once, so there are at most 4 * seeds + 2
-rounds; reaching that is a compiler bug and raises.
+rounds, and one more for each parameter kept whole by the fallback below; reaching that is a
+compiler bug and raises.
+
+Fallback: a conflict whose seeds are all replicated already can still be kept alive by parameters cut
+by wishes (param_cuts.py) that feed each other's splits (`w1 * x + w2`, each wished split because the
+other was read split). Those parameters are kept whole (`ctx.unwished`) and the round is judged again;
+only when none is left does the conflict raise.
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ import warnings
 from torch.fx import GraphModule, Node
 
 from tpcompile.errors import TPCompileError, TPCompileWarning
-from tpcompile.passes.param_cuts import cut_unread
+from tpcompile.passes.param_cuts import cut_unread, wished_upstream
 from tpcompile.passes.pass_context import PassContext
 from tpcompile.passes.sweep import SEED_RULES, Layout, Sweep, seed_path
 from tpcompile.placement import REPLICATE, slice_placement
@@ -44,7 +50,8 @@ def propagate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
     for n in seeds:
         if ctx.override_for(seed_path(n)) == "replicate":
             ctx.demoted[n] = "replicated by the plan"
-    bound = 4 * len(seeds) + 2
+    wishable = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    bound = 4 * len(seeds) + 2 + len(wishable)
     resettled = False
     for ctx.iterations in range(1, bound + 1):
         sweep = Sweep(gm, ctx)
@@ -62,6 +69,11 @@ def propagate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 continue  # read the parameters as this round cut them
         resettled = False
         if not fresh and not regrouped:
+            unwished = wished_upstream(sweep) - ctx.unwished if sweep.conflicts else set()
+            if unwished:  # nothing left to blame but parameters cut by wishes: keep them whole and judge again
+                log.info("propagate round %d: keeping %s whole", ctx.iterations, ", ".join(sorted(unwished)))
+                ctx.unwished |= unwished
+                continue
             if sweep.conflicts:
                 raise TPCompileError(
                     "cannot place these ops on split inputs: " + "; ".join(why for _, why in sweep.conflicts)

@@ -51,6 +51,7 @@ class Sweep:
         self.requests: dict[str, dict[Optional[ParamSlice], set]] = {}  # parameter -> slice -> users
         self.wishes: dict[str, dict[ParamSlice, set]] = {}  # parameter -> slice -> seeds (param_cuts.py)
         self.conflicts: list[tuple[frozenset, str]] = []
+        self.conflicted: list[Node] = []  # the ops of the conflicts, in graph order
         self.regroups: list[tuple[frozenset, int]] = []
         self.tainted: set[Node] = set()  # downstream of a conflict whose guess may be wrong
         self.lost: dict[Node, frozenset] = {}  # node -> the seeds whose splits conflicts took from its inputs
@@ -153,6 +154,7 @@ class Sweep:
         downstream = any(i in self.tainted for i in inputs)
         if res.demote_self and not downstream:
             self.conflicts.append((frozenset([node]), f"{describe(node)}: {res.demote_self}"))
+            self.conflicted.append(node)
             self.doomed.add(node)
         if downstream:
             self.tainted.add(node)
@@ -164,6 +166,7 @@ class Sweep:
             else:
                 text = f"{describe(node)}: {why}"
                 self.conflicts.append((blamed or src, Choice(text) if isinstance(why, Choice) else text))
+                self.conflicted.append(node)
                 self.doomed.update(blamed or src)
                 self.lost[node] = blamed or src
                 if (blamed or src) != src:
@@ -212,7 +215,8 @@ class Sweep:
             if sl is not None:
                 self.ctx.param_seeds[target] = frozenset(by_slice[sl])
         for target, wished in self.wishes.items():  # cut where every reader wants the same slice
-            if target not in self.requests and len(wished) == 1 and len(self.ctx.aliases(target)) == 1:
+            if target not in self.requests and len(wished) == 1 and len(self.ctx.aliases(target)) == 1 \
+                    and target not in self.ctx.unwished:
                 sl, seeds = next(iter(wished.items()))
                 self.ctx.param_slices[target], self.ctx.param_seeds[target] = sl, frozenset(seeds)
         for node in self.gm.graph.nodes:  # reads outside the weight ops must see the cut they will get
