@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 
 from tpcompile.capture.input_dtypes import check_input_dtypes, embedding_ids_checked
 from tpcompile.capture.input_dims import fixed_dims, install_guards, warn_fixed
-from tpcompile.capture.model_state import model_state_kept
+from tpcompile.capture.model_state import model_state_kept, value_checks_off
 from tpcompile.capture.regions import inline_regions
 from tpcompile.capture.signature import explicit_signature
 from tpcompile.errors import TPCompileError
@@ -124,7 +124,7 @@ def capture(model: nn.Module, example_inputs: tuple = (), example_kwargs: Option
     log.info("capturing %s with torch.export", name)
     try:
         with model_state_kept(model), explicit_signature(model, args, kwargs), \
-                embedding_ids_checked(model, args, kwargs):
+                embedding_ids_checked(model, args, kwargs), value_checks_off():
             if dynamic_shapes is None:
                 shapes = auto_dynamic_shapes(model, args, kwargs)  # by the explicit signature's names
             ep = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
+import torch
 from torch import nn
 
 
@@ -23,3 +24,16 @@ def model_state_kept(model: nn.Module) -> Iterator[None]:
             for live, kept in ((m._parameters, params), (m._buffers, buffers), (m._modules, children)):
                 live.clear()
                 live.update(kept)
+
+
+@contextmanager
+def value_checks_off() -> Iterator[None]:
+    """torch.distributions checks the values of its arguments (`Categorical(logits=...)` asks whether they are
+    finite, a data-dependent branch that torch.export cannot trace). The check computes nothing and only raises
+    on invalid values, so capture runs with it off; the rank graphs do not repeat it."""
+    saved = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(saved)
