@@ -6,7 +6,8 @@ kernels loops over the tokens). Each is sharded once and then equals the origina
 lengths and batch sizes in the simulator; the ALiBi model does the same under 2 gloo processes
 through `tpcompile.parallelize` (blocks checkpointed, a backward at each shape), each rank re-sharding
 and agreeing on the new graph, as does a scan model under mixed_precision="bf16". The rest: the LRU
-bound, re-sharding turned off, a direct rank call, torch.export's own guard, training at a new shape.
+bound, re-sharding turned off, a direct rank call, torch.export's own guard, training at a new shape, and a
+capture at another shape keeping whole what the first kept whole.
 """
 from __future__ import annotations
 
@@ -273,6 +274,38 @@ def test_a_broken_export_guard_is_captured_again() -> None:
     with torch.no_grad():
         assert max_diff(tpcompile.simulate(sm, _ids((2, 5))), model(_ids((2, 5)))) < 1e-5
     assert sm.shapes.reshards == 1
+
+
+class LongInputsCumsum(nn.Module):
+    """A cumulative sum over the MLP's hidden features (no split rule) only for inputs longer than 8 tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        if x.shape[1] > 8:
+            h = torch.cumsum(h, -1)
+        return self.down(h)
+
+
+def test_a_capture_at_another_shape_keeps_whole_what_the_first_kept_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The long capture replicates `up` (the cumsum); the short one alone would split it, and its rank graphs
+    could not share the first's weights: it keeps `up` whole from the start. The other way round refuses."""
+    torch.manual_seed(0)
+    model = LongInputsCumsum().eval()
+    with pytest.warns(tpcompile.TPCompileWarning, match="replicating up"):
+        sm = tpcompile.shard(model, 2, example_inputs=(torch.randn(2, 12, 16),))
+    x = torch.randn(3, 5, 16)
+    with pytest.warns(tpcompile.TPCompileWarning, match=r"Guard failed: x.size\(\)\[1\] >= 9"), torch.no_grad():
+        assert max_diff(tpcompile.simulate(sm, x), model(x)) < 1e-5
+    entry = sm.shapes.entry_for((x,), {})
+    assert entry.sharded.plan.parameters["up.weight"].local_shape == (32, 16)
+    short = tpcompile.shard(model, 2, example_inputs=(x,))
+    assert short.plan.parameters["up.weight"].local_shape == (16, 16)  # alone, the short capture splits it
+    with pytest.raises(tpcompile.TPCompileError, match="the capture for another input shape .* splits up.weight"):
+        tpcompile.simulate(short, torch.randn(2, 12, 16))
 
 
 class Scan(nn.Module):

@@ -69,17 +69,18 @@ def shard(model: nn.Module, world_size: int, *, example_inputs: Any = (), exampl
     captured = time.perf_counter()
     sm = shard_captured(cap, world_size, plan=plan, group=group, sequence_parallel=sequence_parallel, comm=comm)
     sm.timings.update(capture_s=captured - start, passes_s=time.perf_counter() - captured)
-    sm.shapes = ShapeCache(sm, model, lambda args, kwargs: shard_captured(  # shapes the guards refuse: this again
-        capture(model, args, kwargs, dynamic_shapes), world_size, plan=plan, group=group,  # (runtime/shape_cache.py)
-        sequence_parallel=sequence_parallel, comm=comm))
+    sm.shapes = ShapeCache(sm, model, lambda args, kwargs, whole: shard_captured(  # shapes the guards refuse: this
+        capture(model, args, kwargs, dynamic_shapes), world_size, plan=plan, group=group,  # again (runtime/shape_cache.py)
+        sequence_parallel=sequence_parallel, comm=comm, whole=whole))
     return sm
 
 
 def shard_captured(cap: Captured, world_size: int, *, plan: Any = None, group: Any = "default",
-                   sequence_parallel: bool = False, comm: Any = None) -> ShardedModel:
-    """The passes after capture, on a captured graph that no other ShardedModel uses."""
+                   sequence_parallel: bool = False, comm: Any = None, whole: frozenset = frozenset()) -> ShardedModel:
+    """The passes after capture, on a captured graph that no other ShardedModel uses; `whole`: parameter names
+    kept whole from the start (what a first capture kept whole, when the model is captured again for a shape)."""
     _check_world_size(world_size)
-    ctx = PassContext(world_size, group=_group_key(group, world_size),
+    ctx = PassContext(world_size, group=_group_key(group, world_size), whole=frozenset(whole),
                       overrides=check_overrides(plan, cap.module_paths), sequence_parallel=bool(sequence_parallel))
     gm = annotate_pass(cap.gm, ctx)  # annotate: rule per op, fused-projection segments
     gm = propagate_pass(gm, ctx)  # propagate: placements, column/row/vocab roles

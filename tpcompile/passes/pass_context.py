@@ -29,6 +29,7 @@ class PassContext:
     row_inputs: dict[Node, frozenset] = field(default_factory=dict)  # seed -> its input's origins, as a row split
     unread: list[str] = field(default_factory=list)  # parameters no op reads, cut along dim 0 for storage
     unwished: set[str] = field(default_factory=set)  # parameters whose wished cut reached a conflict: kept whole
+    whole: frozenset[str] = frozenset()  # parameters kept whole from the start (a first capture kept them whole)
     warnings: list[str] = field(default_factory=list)
     iterations: int = 0
     _names: Optional[dict[int, list[str]]] = field(default=None, repr=False)  # id(tensor) -> names

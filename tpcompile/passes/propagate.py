@@ -35,7 +35,7 @@ from torch.fx import GraphModule, Node
 from tpcompile.errors import TPCompileError, TPCompileWarning
 from tpcompile.passes.param_cuts import cut_unread, wished_upstream
 from tpcompile.passes.pass_context import PassContext
-from tpcompile.passes.sweep import SEED_RULES, Layout, Sweep, seed_path
+from tpcompile.passes.sweep import SEED_RULES, Layout, Sweep, seed_path, weight_args
 from tpcompile.placement import REPLICATE, slice_placement
 from tpcompile.sharding_rules.rule_context import Choice
 
@@ -48,7 +48,7 @@ def propagate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Write node.meta['tp_placement'] and ['tp_layout'], replicating regions that cannot be split."""
     seeds = [n for n in gm.graph.nodes if seed_path(n) is not None]
     for n in seeds:
-        if ctx.override_for(seed_path(n)) == "replicate":
+        if ctx.override_for(seed_path(n)) == "replicate" or _kept_whole(n, ctx):
             ctx.demoted[n] = "replicated by the plan"
     wishable = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
     bound = 4 * len(seeds) + 2 + len(wishable)
@@ -91,6 +91,12 @@ def propagate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
             node.meta["tp_placement"] = REPLICATE if sl is None else slice_placement(sl)
     _warn(ctx)
     return gm
+
+
+def _kept_whole(seed: Node, ctx: PassContext) -> bool:
+    """Every weight the seed reads is in ctx.whole (a row split's bias is whole while its weight is split)."""
+    weights = weight_args(seed)
+    return bool(ctx.whole) and bool(weights) and all(w.target in ctx.whole for w in weights)
 
 
 def _warn(ctx: PassContext) -> None:

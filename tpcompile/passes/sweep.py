@@ -116,13 +116,13 @@ class Sweep:
 
     def split_bytes(self, n: Node) -> int:
         """Bytes of the weights the origins of a split value cut (what replicating them would cost)."""
-        tensors = {id(t): t for seed in self.origins.get(n, frozenset()) for w in _weight_args(seed)
+        tensors = {id(t): t for seed in self.origins.get(n, frozenset()) for w in weight_args(seed)
                    for t in [self.ctx.tensors.get(w.target)] if t is not None}
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def sources(self, node: Node) -> frozenset:
         """The origins of the node's sharded inputs (a weight op's own weights are not data to it)."""
-        weights = _weight_args(node)
+        weights = weight_args(node)
         return frozenset().union(*(self.origins.get(i, frozenset()) for i in node.all_input_nodes
                                    if i not in weights and _sharded(self.placement(i))))
 
@@ -145,7 +145,7 @@ class Sweep:
         inputs = node.all_input_nodes
         why, blame = res.conflict, res.blame
         if why is None:
-            why, blame = check_wants(res, self.placement, _weight_args(node))
+            why, blame = check_wants(res, self.placement, weight_args(node))
         if why and any(is_seq(self.placement(i)) for i in inputs):
             res, why, blame = gathering_seq(node, self.rules, self.placement, res, why, blame)
         # A conflicted op is taken as replicated for the rest of the sweep. That guess is what
@@ -207,7 +207,7 @@ class Sweep:
         progress = self.regroups or any(o not in self.ctx.demoted for origins, _ in self.conflicts for o in origins)
         for target, by_slice in self.requests.items():
             if len(by_slice) > 1 and not progress:
-                self.conflicts.append(cut_two_ways(target, by_slice, self.ctx, _weight_args) or (
+                self.conflicts.append(cut_two_ways(target, by_slice, self.ctx, weight_args) or (
                     frozenset().union(*(s for sl, s in by_slice.items() if sl is not None)),
                     f"parameter {target} is used both split and whole"))
             sl = next(iter(by_slice)) if len(by_slice) == 1 else None
@@ -216,7 +216,7 @@ class Sweep:
                 self.ctx.param_seeds[target] = frozenset(by_slice[sl])
         for target, wished in self.wishes.items():  # cut where every reader wants the same slice
             if target not in self.requests and len(wished) == 1 and len(self.ctx.aliases(target)) == 1 \
-                    and target not in self.ctx.unwished:
+                    and target not in self.ctx.unwished and target not in self.ctx.whole:
                 sl, seeds = next(iter(wished.items()))
                 self.ctx.param_slices[target], self.ctx.param_seeds[target] = sl, frozenset(seeds)
         for node in self.gm.graph.nodes:  # reads outside the weight ops must see the cut they will get
@@ -246,7 +246,7 @@ def _upstream(seeds: frozenset) -> frozenset:
     return frozenset(keep) or seeds
 
 
-def _weight_args(node: Node) -> set:
+def weight_args(node: Node) -> set:
     """The weight and bias arguments of a weight op (it cuts them itself), else nothing."""
     spec = node.meta.get("tp_rule")
     if node.op == "call_function" and spec is not None and spec.rule in WRITE_RULES:

@@ -122,6 +122,13 @@ def split_difference(first: Any, other: Any) -> Optional[str]:
     return None
 
 
+def whole_parameters(plan: Any) -> frozenset:
+    """The names of the parameters a plan keeps whole, tied names included. A capture at another shape keeps them
+    whole from the start: a dim the model's code fixes can change which conflicts a split meets (a conflict at
+    one length and not at another), and the rank graphs of every capture share one set of weights."""
+    return frozenset(n for p in plan.parameters.values() if p.slice() is None for n in (p.name, *p.tied))
+
+
 def device_of(model: nn.Module) -> Optional[torch.device]:
     """The device of the model's first parameter or buffer (None for a model without any)."""
     for t in list(model.parameters()) + list(model.buffers()):

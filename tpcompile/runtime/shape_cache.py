@@ -42,7 +42,8 @@ from torch.fx import GraphModule
 from tpcompile.errors import TPCompileError, TPCompileWarning
 from tpcompile.ops.guards import InputShapeError
 from tpcompile.runtime.reshard import (describe_key, device_of, finding, guard_module, model_tensor_names, on_device,
-                                       shape_key, share_tensors, split_difference, user_stacklevel)
+                                       shape_key, share_tensors, split_difference, user_stacklevel,
+                                       whole_parameters)
 
 __all__ = ["DEFAULT_MAX_SHAPES", "ShapeCache", "ShapeEntry", "check_max_shapes", "install_reshard", "rank_graphs_for",
            "share_tensors"]
@@ -83,8 +84,9 @@ class ShapeCache:
 
     def __init__(self, first: Any, model: nn.Module, shard_again: Callable[[tuple, dict], Any], *,
                  max_shapes: Optional[int] = None) -> None:
-        """`first`: the ShardedModel shard() made of `model`; `shard_again(args, kwargs)`: the same capture and
-        passes with those example inputs (api.shard's own, so that the captures differ only in their shapes)."""
+        """`first`: the ShardedModel shard() made of `model`; `shard_again(args, kwargs, whole)`: the same capture
+        and passes with those example inputs (api.shard's own, so that the captures differ only in their shapes),
+        keeping the parameters named in `whole` whole as the first capture kept them."""
         self.first, self.model, self.shard_again = first, model, shard_again
         self.max_shapes = default_max_shapes() if max_shapes is None else check_max_shapes(max_shapes)
         self.modes = [(m, m.training) for m in model.modules()]  # train/eval as at shard() time
@@ -168,7 +170,7 @@ class ShapeCache:
         with warnings.catch_warnings(record=True) as seen, self._as_at_shard():
             warnings.simplefilter("always", TPCompileWarning)
             try:
-                sm = self.shard_again(ex_args, ex_kwargs)
+                sm = self.shard_again(ex_args, ex_kwargs, whole_parameters(self.first.plan))
             except TPCompileError as e:
                 raise TPCompileError(f"{name}: capturing the model again for {describe_key(key)} (which its captured "
                                      f"graph does not take: {finding(cause)}) failed: {e}") from e
