@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence, Union
 
+from tpcompile.layouts import dim_layout
+
 Padding = Union[int, tuple[int, ...]]
 
 
@@ -132,13 +134,8 @@ def padded_segment_runs(segments: Sequence[int], padded: Sequence[int], rank: in
     """Per segment, (global start, local start, length of real data, local block) of what `rank` holds when
     each segment is zero-padded to its own size and cut into its pieces (the world size, or g < world size
     pieces each held by world_size / g ranks, unpadded: multi-query's one kv head whole on every rank)."""
-    out, offset, local = [], 0, 0
-    for s, pad, g in zip(segments, padded, seg_pieces or [world_size] * len(segments)):
-        block = pad // g
-        start = min(rank // (world_size // g) * block, s)
-        out.append((offset + start, local, min(block, s - start), block))
-        offset, local = offset + s, local + block
-    return out
+    cut = ParamSlice(0, tuple(segments), tuple(padded), None, tuple(seg_pieces) if seg_pieces else None)
+    return dim_layout(cut, None, world_size).runs(rank)
 
 
 def cut_from_shared(have: object, want: object) -> bool:
@@ -174,19 +171,7 @@ def rank_pieces(sl: Any, full: int, rank: int, world_size: int) -> list[tuple[in
     `sl` is a ParamSlice (dim, segments, padded, pieces); padding is left out, so the local
     positions past the last run are the zero padding.
     """
-    if sl.pieces:  # one of `pieces` pieces, shared by world_size/pieces ranks
-        size = full // sl.pieces
-        return [(rank // (world_size // sl.pieces) * size, 0, size)]
-    if isinstance(sl.padded, tuple):  # each segment zero-padded to its own size
-        runs = padded_segment_runs(sl.segments, sl.padded, rank, world_size, sl.seg_pieces)
-        return [(a, loc, n) for a, loc, n, _ in runs if n > 0]
-    out, local = [], 0
-    for a, b in segment_ranges(sl.padded or full, sl.segments, rank, world_size, sl.seg_pieces):
-        n = min(b, full) - a
-        if n > 0:
-            out.append((a, local, n))
-        local += b - a
-    return out
+    return [(a, loc, n) for a, loc, n, _ in dim_layout(sl, full, world_size).runs(rank) if n > 0]
 
 
 def slice_shape(shape: Sequence[int], sl: Any, world_size: int) -> tuple[int, ...]:
@@ -194,12 +179,7 @@ def slice_shape(shape: Sequence[int], sl: Any, world_size: int) -> tuple[int, ..
     if sl is None:
         return tuple(shape)
     out = list(shape)
-    if sl.padded:
-        out[sl.dim] = padded_local(sl.padded, sl.seg_pieces, world_size)
-    elif sl.seg_pieces:
-        out[sl.dim] = sum(s // g for s, g in zip(sl.segments, sl.seg_pieces))
-    else:
-        out[sl.dim] = shape[sl.dim] // sl.pieces if sl.pieces else shape[sl.dim] // world_size
+    out[sl.dim] = dim_layout(sl, shape[sl.dim], world_size).local_size(0)
     return tuple(out)
 
 
@@ -207,15 +187,8 @@ def segment_ranges(size: int, segments: Optional[Sequence[int]], rank: int, worl
                    seg_pieces: Optional[Sequence[int]] = None) -> list[tuple[int, int]]:
     """The [start, stop) index ranges along a sharded dim that `rank` holds (a segment of g < world_size
     pieces: piece rank // (world_size / g) of it, shared with the other ranks of that group)."""
-    segs = list(segments) if segments else [size]
-    assert sum(segs) == size, f"segments {segs} do not add up to {size}"
-    ranges, offset = [], 0
-    for s, g in zip(segs, seg_pieces or [world_size] * len(segs)):
-        assert s % g == 0 and world_size % g == 0, f"segment {s} not divisible into {g} pieces"
-        piece, k = s // g, rank // (world_size // g)
-        ranges.append((offset + k * piece, offset + (k + 1) * piece))
-        offset += s
-    return ranges
+    cut = ParamSlice(0, tuple(segments) if segments else None, None, None, tuple(seg_pieces) if seg_pieces else None)
+    return dim_layout(cut, size, world_size).blocks(rank)
 
 
 def slice_placement(sl: ParamSlice) -> Shard:
@@ -234,12 +207,10 @@ def local_shape(shape: Sequence[Any], p: Any, rank: int, world_size: int) -> tup
         out[p.dim] = size // p.pieces
         if p.split_next and p.dim + 1 < len(out):
             out[p.dim + 1] = out[p.dim + 1] // p.split_next
-    elif p.padded and p.outer is not None:  # `outer` repetitions of padded heads (batch x heads)
-        out[p.dim] = p.outer * padded_local(p.padded, p.seg_pieces, world_size)
-    elif p.padded:
-        out[p.dim] = padded_local(p.padded, p.seg_pieces, world_size)
+    elif p.padded:  # `outer` repetitions of padded heads (batch x heads), or the padded dim once
+        out[p.dim] = (1 if p.outer is None else p.outer) * dim_layout(p, None, world_size).local_size(rank)
     elif p.segments and isinstance(size, int):
-        out[p.dim] = sum(b - a for a, b in segment_ranges(size, p.segments, rank, world_size, p.seg_pieces))
+        out[p.dim] = dim_layout(p, size, world_size).local_size(rank)
     else:
         out[p.dim] = size // world_size
     return tuple(out)

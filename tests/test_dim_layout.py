@@ -1,0 +1,58 @@
+"""tpcompile.layouts: each layout the placements describe as one value (segments cut into pieces with explicit
+extents), what each rank holds of it, and that the ranks' real parts tile the dim."""
+from __future__ import annotations
+
+import pytest
+
+from tpcompile.layouts import DimLayout, Segment, dim_layout
+from tpcompile.placement import ParamSlice, Shard, local_shape, rank_pieces, slice_shape
+
+CASES = {  # name -> (placement, dim size, world size, rank, expected runs, expected local size)
+    "fused q|k|v": (ParamSlice(0, (8, 8, 8)), 24, 2, 1, [(4, 0, 4, 4), (12, 4, 4, 4), (20, 8, 4, 4)], 12),
+    "padded vocabulary": (ParamSlice(0, padded=252), 250, 4, 3, [(189, 0, 61, 63)], 63),
+    "kv heads fewer than ranks": (ParamSlice(0, (8, 2, 2), seg_pieces=(4, 1, 1)), 12, 4, 2,
+                                  [(4, 0, 2, 2), (8, 2, 2, 2), (10, 4, 2, 2)], 6),
+    "pieces shared by ranks": (ParamSlice(0, pieces=2), 8, 4, 3, [(4, 0, 4, 4)], 4),
+    "padded segments": (ParamSlice(0, (10, 6), padded=(12, 8)), 16, 4, 3, [(9, 0, 1, 3), (16, 3, 0, 2)], 5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_what_a_rank_holds(name: str) -> None:
+    sl, full, ws, rank, runs, size = CASES[name]
+    layout = dim_layout(sl, full, ws)
+    assert layout.runs(rank) == runs
+    assert layout.local_size(rank) == size
+    assert rank_pieces(sl, full, rank, ws) == [(a, loc, n) for a, loc, n, _ in runs if n > 0]
+    assert slice_shape((full, 3), sl, ws) == (size, 3)
+    shard = Shard(0, sl.segments if sl.segments and len(sl.segments) > 1 else None, padded=sl.padded,
+                  pieces=sl.pieces, seg_pieces=sl.seg_pieces)
+    assert local_shape((full, 3), shard, rank, ws) == (size, 3)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_ranks_real_parts_tile_the_dim(name: str) -> None:
+    """Each element is held by as many ranks as share its piece (world_size / pieces), at one local position."""
+    sl, full, ws, _, _, _ = CASES[name]
+    layout = dim_layout(sl, full, ws)
+    held: dict[int, int] = {}
+    for rank in range(ws):
+        for start, _, n, _ in layout.runs(rank):
+            for i in range(start, start + n):
+                held[i] = held.get(i, 0) + 1
+    assert sorted(held) == list(range(full))
+    for seg_start, seg in zip([0, *[sum(s.size for s in layout.segments[:k + 1]) for k in range(len(layout.segments))]],
+                              layout.segments):
+        assert {held[i] for i in range(seg_start, seg_start + seg.size)} == {ws // seg.pieces}
+
+
+def test_uneven_cuts_are_values_too() -> None:
+    """Per-rank extents need not be equal: 5 heads of 4 over 2 ranks as 3|2 heads."""
+    layout = DimLayout(2, (Segment(20, (0, 12, 20)),))
+    assert [layout.local_size(r) for r in range(2)] == [12, 8]
+    assert layout.runs(1) == [(12, 0, 8, 8)]
+
+
+def test_a_piece_count_must_divide_the_world_size() -> None:
+    with pytest.raises(AssertionError, match="do not divide the world size"):
+        dim_layout(ParamSlice(0, (6, 3), seg_pieces=(3, 3)), 9, 4)

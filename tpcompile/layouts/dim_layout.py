@@ -1,0 +1,89 @@
+"""One split dim as data: a sequence of segments, each cut into pieces with explicit extents, bound to ranks.
+
+A fused q|k|v projection is three segments; a zero-padded vocabulary one segment whose cuts run past its
+size (the zeros); kv heads fewer than ranks a segment of fewer pieces than ranks, piece k held by the ranks
+k * (world_size / pieces) ... (k + 1) * (world_size / pieces) - 1. The placement fields (`segments`,
+`padded`, `pieces`, `seg_pieces`) are read in one place, `dim_layout`; the arithmetic on what a rank
+holds (`DimLayout.runs`, `DimLayout.local_size`) is done once, here, on this value.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+
+@dataclass(frozen=True)
+class Segment:
+    """`size` real elements; piece k is [cuts[k], cuts[k + 1]) of the segment padded with zeros to cuts[-1]."""
+
+    size: int
+    cuts: tuple[int, ...]
+
+    @property
+    def pieces(self) -> int:
+        return len(self.cuts) - 1
+
+
+@dataclass(frozen=True)
+class DimLayout:
+    """The segments of one dim, in order, and the world size their pieces are bound to."""
+
+    world_size: int
+    segments: tuple[Segment, ...]
+
+    def piece(self, seg: Segment, rank: int) -> int:
+        """The piece of `seg` that `rank` holds."""
+        return rank // (self.world_size // seg.pieces)
+
+    def blocks(self, rank: int) -> list[tuple[int, int]]:
+        """Per segment, the [start, stop) that `rank` holds in the dim's padded positions (each segment's
+        start offset by the padded sizes before it)."""
+        out, offset = [], 0
+        for seg in self.segments:
+            k = self.piece(seg, rank)
+            out.append((offset + seg.cuts[k], offset + seg.cuts[k + 1]))
+            offset += seg.cuts[-1]
+        return out
+
+    def runs(self, rank: int) -> list[tuple[int, int, int, int]]:
+        """Per segment, (global start, local start, length of real data, local block) of what `rank` holds; global
+        positions count real elements only (the padding of a segment is not part of the tensor)."""
+        out, offset, local = [], 0, 0
+        for seg in self.segments:
+            k = self.piece(seg, rank)
+            a, b = seg.cuts[k], seg.cuts[k + 1]
+            start = min(a, seg.size)
+            out.append((offset + start, local, max(0, min(b, seg.size) - start), b - a))
+            offset, local = offset + seg.size, local + b - a
+        return out
+
+    def local_size(self, rank: int) -> int:
+        """The dim's size on `rank`, its zero padding included."""
+        return sum(seg.cuts[self.piece(seg, rank) + 1] - seg.cuts[self.piece(seg, rank)] for seg in self.segments)
+
+
+def even_cuts(total: int, pieces: int) -> tuple[int, ...]:
+    """`total` cut into `pieces` equal pieces."""
+    assert total % pieces == 0, f"segment {total} not divisible into {pieces} pieces"
+    step = total // pieces
+    return tuple(i * step for i in range(pieces + 1))
+
+
+def dim_layout(p: Any, full: Optional[int], world_size: int) -> DimLayout:
+    """The layout of a split dim of size `full` (None: not known, a padded split's padding gives the sizes) that a
+    ParamSlice or Shard `p` describes (its `segments`, `padded`, `pieces` and `seg_pieces`)."""
+    if p.pieces:  # one segment of `pieces` pieces, each shared by world_size / pieces ranks
+        return DimLayout(world_size, (Segment(full, even_cuts(full, p.pieces)),))
+    counts: Sequence[int]
+    if isinstance(p.padded, tuple):  # each segment zero-padded to its own size
+        counts = p.seg_pieces or [world_size] * len(p.segments)
+        return DimLayout(world_size, tuple(Segment(s, even_cuts(pad, g))
+                                           for s, pad, g in zip(p.segments, p.padded, counts)))
+    if p.padded:  # one segment zero-padded to a multiple of the world size
+        assert not p.segments or len(p.segments) == 1, f"a padded dim of segments {p.segments}"
+        return DimLayout(world_size, (Segment(p.padded if full is None else full, even_cuts(p.padded, world_size)),))
+    segs = list(p.segments) if p.segments else [full]
+    assert full is None or sum(segs) == full, f"segments {segs} do not add up to {full}"
+    counts = p.seg_pieces or [world_size] * len(segs)
+    assert all(world_size % g == 0 for g in counts), f"pieces {counts} do not divide the world size {world_size}"
+    return DimLayout(world_size, tuple(Segment(s, even_cuts(s, g)) for s, g in zip(segs, counts)))
