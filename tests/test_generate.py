@@ -155,3 +155,25 @@ def test_cli_generate_prints_both_token_lists_and_agrees(capsys: pytest.CaptureF
     assert out.count("  unsharded: [") == 2 and out.count("  rank 0:    [") == 2
     assert "time to first token" in out and "tokens/s" in out and "cache per rank" in out
     assert "OK: all 2 ranks generated the unsharded model's tokens" in out
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_three_ranks_split_the_cache_of_four_heads(kv_heads: int) -> None:
+    """4 query heads at 3 ranks (kv heads 4 or 2, neither divisible by 3): no warning, HF's greedy tokens on every
+    rank, and no rank holds more than half the cache (heads padded to 2 a rank)."""
+    import warnings
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=kv_heads)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpcompile.TPCompileWarning)
+        gen = shard_generation(model, 3, max_seq_len=48, max_batch_size=2)
+    ids, mask = padded_prompts()
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    for out in run_ranks(gen, input_ids=ids, attention_mask=mask, max_new_tokens=20):
+        assert torch.equal(out, want)
+    assert max(gen.cache_bytes(r) for r in range(3)) <= gen.unsharded_cache_bytes // 2
