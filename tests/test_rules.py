@@ -325,3 +325,23 @@ def test_cat_with_an_empty_1d_tensor_keeps_the_split() -> None:
         warnings.simplefilter("error", tpcompile.TPCompileWarning)
         sm = _check(CatWithEmpty().eval(), torch.randn(4, 32))
     assert sm.plan.modules == {"up": "column", "down": "row"}
+
+
+class Joined(nn.Module):
+    """Two column splits joined along the tokens by torch.cat or one of its aliases (kept as their own aten ops)."""
+
+    def __init__(self, join: str) -> None:
+        super().__init__()
+        self.join = getattr(torch, join)
+        self.up, self.gate, self.down = nn.Linear(32, 64), nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.join([self.up(x), self.gate(x)], dim=1)))
+
+
+@pytest.mark.parametrize("join", ["cat", "concatenate", "concat"])
+def test_cat_and_its_aliases_keep_the_split(join: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpcompile.TPCompileWarning)
+        sm = _check(Joined(join).eval(), torch.randn(2, 5, 32))
+    assert sm.plan.modules == {"up": "column", "gate": "column", "down": "row"}
