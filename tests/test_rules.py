@@ -345,3 +345,26 @@ def test_cat_and_its_aliases_keep_the_split(join: str) -> None:
         warnings.simplefilter("error", tpcompile.TPCompileWarning)
         sm = _check(Joined(join).eval(), torch.randn(2, 5, 32))
     assert sm.plan.modules == {"up": "column", "gate": "column", "down": "row"}
+
+
+class GatherTokens(nn.Module):
+    """torch.gather along the tokens of a column split, with an index built whole (each token's predecessor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.up(x))
+        b, t, f = h.shape
+        prev = (torch.arange(t, device=x.device) - 1).clamp(min=0)
+        return self.down(h + torch.gather(h, 1, prev.view(1, t, 1).expand(b, t, f)))
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_gather_along_another_dim_keeps_the_split(ws: int) -> None:
+    """At 3 ranks the 64 features are zero-padded to 66 (a layout the DTensor fallback does not take)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpcompile.TPCompileWarning)
+        sm = _check(GatherTokens().eval(), torch.randn(2, 5, 32), ws)
+    assert sm.plan.modules == {"up": "column", "down": "row"}

@@ -126,3 +126,21 @@ def _whole_pick(p: Shard, positions: tuple, size: Any) -> bool:
         return False
     i = at.pop()
     return all(g == 1 for g in (p.seg_pieces[i:] if positions[0] < 0 else p.seg_pieces[:i + 1]))
+
+
+@rule("gather")
+def gather(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """torch.gather(x, dim, index): out[..., i, ...] = x[..., index[..., i, ...], ...] along `dim`. Split along
+    another dim where x and index have the same size (ProphetNet's relative positions per folded head): each
+    rank gathers from its own rows with its own rows of the index (a local slice of a whole index)."""
+    x, index = node.args[0], node.args[2]
+    dim = norm_dim(node.args[1], len(ctx.shape(x)))
+    if ctx.all_replicated([x, index]):
+        return Result(REPLICATE, [Want(x, REPLICATE), Want(index, REPLICATE)])
+    split = [ctx.placement(n) for n in (x, index) if isinstance(ctx.placement(n), Shard)]
+    p = split[0]
+    if any(q != p for q in split) or dim in split_dims(p) or p.seq:
+        return _fail(node, "gathers along the split dim or from differently split values", (index,))
+    if not all(sizes_equal(ctx.shape(x)[d], ctx.shape(index)[d]) for d in split_dims(p)):
+        return _fail(node, f"the index is smaller than the input along the split dim {p.dim}", (index,))
+    return Result(p, [Want(x, p), Want(index, p)])
