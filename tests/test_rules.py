@@ -368,3 +368,23 @@ def test_gather_along_another_dim_keeps_the_split(ws: int) -> None:
         warnings.simplefilter("error", tpcompile.TPCompileWarning)
         sm = _check(GatherTokens().eval(), torch.randn(2, 5, 32), ws)
     assert sm.plan.modules == {"up": "column", "down": "row"}
+
+
+class RepeatedBatch(nn.Module):
+    """A column split tiled along the batch and a new leading dim (x.repeat), then summed back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.up(x)).repeat(3, 2, 1, 1)  # (3, 2B, T, F)
+        return self.down(h.sum(0)[: x.shape[0]] + h.sum(0)[x.shape[0]:])
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_repeat_along_other_dims_keeps_the_split(ws: int) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpcompile.TPCompileWarning)
+        sm = _check(RepeatedBatch().eval(), torch.randn(2, 5, 32), ws)
+    assert sm.plan.modules == {"up": "column", "down": "row"}

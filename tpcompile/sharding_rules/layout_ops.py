@@ -4,7 +4,7 @@ Ops DTensor can place (stack, view_as_complex, flip, ...) have no row and go thr
 fallback (dtensor_fallback.py), which also carries segments, pieces and batch x heads layouts
 through ops that keep the split dim's size. What remains is an op that changes the size of a
 dim split in pieces: grouped-query attention's `repeat_interleave` of kv heads, when there are
-fewer kv heads than ranks.
+fewer kv heads than ranks; and `repeat` on the other dims of any split, zero-padded ones included.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Replicate, Shard
+from tpcompile.placement import REPLICATE, Replicate, Shard, moved, split_dims
 from tpcompile.sharding_rules.dtensor_fallback import dtensor_result
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim
@@ -59,3 +59,17 @@ def repeat_interleave(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
 
 def _fail(x: Node, why: str) -> Result:
     return Result(REPLICATE, [Want(x, REPLICATE)], conflict=why)
+
+
+@rule("repeat")
+def repeat(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """x.repeat(*sizes): tiles x, new dims in front. A split dim repeated once keeps its split (on the dim it
+    becomes); tiling along a split dim would interleave the ranks' blocks, and is refused."""
+    x, sizes = node.args[0], list(node.args[1])
+    p = ctx.placement(x)
+    if not isinstance(p, Shard):
+        return Result(REPLICATE, [Want(x, REPLICATE)])
+    lead = len(sizes) - len(ctx.shape(x))
+    if any(sizes[lead + d] != 1 for d in split_dims(p)):
+        return _fail(x, f"repeats along the split dim {p.dim} ({sizes[lead + p.dim]} times)")
+    return Result(moved(p, lead + p.dim), [Want(x, p)])
