@@ -52,7 +52,7 @@ CASES: list[tuple[str, Op, str]] = [
     ("roll", lambda h: torch.roll(h, 1, 1), "aten.roll.default"),
     ("index_select", lambda h: torch.index_select(h, 1, torch.tensor([1, 0])).mean(1, keepdim=True) + h,
      "aten.index_select.default"),
-    ("gather", lambda h: torch.gather(h, 1, torch.argsort(h, 1)), "aten.gather.default"),
+    ("kthvalue", lambda h: torch.kthvalue(h, 2, 1, keepdim=True)[0] + h, "aten.kthvalue.default"),
     ("sort", lambda h: torch.sort(h, 1)[0], "aten.sort.default"),
     ("topk", lambda h: torch.topk(h, 2, 1)[0].sum(1, keepdim=True) + h, "aten.topk.default"),
     ("glu", lambda h: F.glu(torch.cat([h, h.sin()], 1), 1), "aten.glu.default"),
@@ -73,7 +73,7 @@ CASES: list[tuple[str, Op, str]] = [
     ("atan2", lambda h: torch.atan2(h, h.cos() + 2), "aten.atan2.default"),
     ("lerp", lambda h: torch.lerp(h, h.sin(), 0.3), "aten.lerp.Scalar"),
     ("addcmul", lambda h: torch.addcmul(h, h, h.cos(), value=0.5), "aten.addcmul.default"),
-    ("repeat", lambda h: h.repeat(1, 2, 1)[:, ::2], "aten.repeat.default"),
+    ("xlogy", lambda h: torch.xlogy(h, h.sigmoid()), "aten.xlogy.Tensor"),
     ("clamp_min_", lambda h: (h * 1).clamp_min_(0.1), "aten.clamp_min_.default"),
     ("avg_pool1d", _channels_first(lambda c: F.avg_pool1d(c, 3, 1, 1)), "aten.avg_pool1d.default"),
 ]

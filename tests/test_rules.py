@@ -348,7 +348,8 @@ def test_cat_and_its_aliases_keep_the_split(join: str) -> None:
 
 
 class GatherTokens(nn.Module):
-    """torch.gather along the tokens of a column split, with an index built whole (each token's predecessor)."""
+    """torch.gather along the tokens of a column split, with an index built whole (each token's predecessor) and
+    one computed from the split value."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -358,7 +359,8 @@ class GatherTokens(nn.Module):
         h = F.gelu(self.up(x))
         b, t, f = h.shape
         prev = (torch.arange(t, device=x.device) - 1).clamp(min=0)
-        return self.down(h + torch.gather(h, 1, prev.view(1, t, 1).expand(b, t, f)))
+        ordered = torch.gather(h, 1, (h > 0).long())  # an index split as h is (token 0 or 1)
+        return self.down(ordered + torch.gather(h, 1, prev.view(1, t, 1).expand(b, t, f)))
 
 
 @pytest.mark.parametrize("ws", [2, 3])
@@ -388,3 +390,32 @@ def test_repeat_along_other_dims_keeps_the_split(ws: int) -> None:
         warnings.simplefilter("error", tpcompile.TPCompileWarning)
         sm = _check(RepeatedBatch().eval(), torch.randn(2, 5, 32), ws)
     assert sm.plan.modules == {"up": "column", "down": "row"}
+
+
+class JoinedForOneConv(nn.Module):
+    """q, k and v projected apart, joined along their features for one depthwise convolution, then split again
+    (the short convolution of gated linear-attention layers)."""
+
+    def __init__(self, widths: tuple = (48, 48, 24)) -> None:
+        super().__init__()
+        self.widths = list(widths)
+        self.q, self.k, self.v = (nn.Linear(32, w) for w in widths)
+        self.conv = nn.Conv1d(sum(widths), sum(widths), 3, groups=sum(widths), padding=2)
+        self.out_v, self.out_qk = nn.Linear(widths[2], 32), nn.Linear(widths[0], 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
+        qkv = F.silu(self.conv(qkv.transpose(1, 2))[..., : x.shape[1]]).transpose(1, 2)
+        q, k, v = torch.split(qkv, self.widths, dim=-1)
+        return self.out_v(v) + self.out_qk(q * k)
+
+
+@pytest.mark.parametrize("ws", [2, 3, 5])
+def test_cat_along_the_split_dim_joins_into_segments(ws: int) -> None:
+    """Each rank joins its blocks (q[r] | k[r] | v[r]) and convolves them with its cut of the kernels; at 5 ranks
+    each projection is zero-padded (48 -> 50, 24 -> 25) and the joined value keeps each padding."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpcompile.TPCompileWarning)
+        sm = _check(JoinedForOneConv().eval(), torch.randn(2, 5, 32), ws)
+    assert sm.plan.modules == {"q": "column", "k": "column", "v": "column", "conv": "channels", "out_v": "row",
+                               "out_qk": "row"}, sm.plan.modules

@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 from torch.fx import Node
 
+from tpcompile.layouts import dim_layout
 from tpcompile.placement import PARTIAL, REPLICATE, ParamSlice, Replicate, Shard
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, param_behind
@@ -114,6 +115,8 @@ def _grouped(node: Node, spec: RuleSpec, ctx: RuleContext, tensors: list) -> Res
     channels = ctx.shape(x)[1] if ctx.shape(x) is not None and len(ctx.shape(x)) > 1 else None
     if _padded_channels(px, channels) and groups == channels:  # depthwise on zero-padded channels (Mamba's)
         return _own_groups(node, spec, ctx, src, px, "channels", padded=px.padded)
+    if groups == channels and _segmented_channels(px):  # depthwise over channels joined from several splits
+        return _depthwise_segments(node, spec, ctx, src, px)
     if not _channel_split(px):
         return Result(REPLICATE, whole, conflict=f"grouped convolution on an input split as {px}, not on its "
                                                  f"channels (dim 1)")
@@ -136,3 +139,24 @@ def _own_groups(node: Node, spec: RuleSpec, ctx: RuleContext, src: Node, px: Sha
     local = ("split", spec.get("groups_arg"), None, None) if padded is None else \
         ("set", spec.get("groups_arg"), padded // ctx.world_size, None)
     return Result(Shard(1, padded=padded), wants, role=role, params=params, localize=[local])
+
+
+def _segmented_channels(p: Any) -> bool:
+    """Channels (dim 1) split in segments, each over every rank (zero-padded each or not): q|k|v joined by a cat."""
+    return isinstance(p, Shard) and p.dim == 1 and p.segments is not None and not p.seq and p.pieces is None \
+        and p.seg_pieces is None and p.outer is None and p.split_next is None \
+        and (p.padded is None or isinstance(p.padded, tuple))
+
+
+def _depthwise_segments(node: Node, spec: RuleSpec, ctx: RuleContext, src: Node, px: Shard) -> Result:
+    """A depthwise convolution over channels split in segments: weight and bias cut in the same segments, one
+    group a local channel."""
+    x, w, b = (_arg(node, spec.get(k)) for k in ("input", "weight", "bias"))
+    sl = ParamSlice(0, px.segments, px.padded)
+    params: dict[Node, Optional[ParamSlice]] = {src: sl}
+    if isinstance(b, Node) and ctx.param(b) is not None:
+        params[b] = sl
+    cut = Shard(0, px.segments, padded=px.padded)
+    wants = [Want(x, px), Want(w, cut)] + ([Want(b, cut)] if isinstance(b, Node) else [])
+    local = dim_layout(px, sum(px.segments), ctx.world_size).local_size(0)
+    return Result(px, wants, role="channels", params=params, localize=[("set", spec.get("groups_arg"), local, None)])

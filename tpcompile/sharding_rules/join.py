@@ -1,9 +1,12 @@
-"""Rules for ops that join several values into one: cat along a kept dim, stack along a new one."""
+"""Rules for ops that join several values into one: cat along a kept dim (or along the split dim, into segments),
+stack along a new one."""
 from __future__ import annotations
+
+from typing import Optional
 
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Shard, moved, split_dims
+from tpcompile.placement import REPLICATE, Shard, moved, padding_sizes, split_dims
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want
 from tpcompile.sharding_rules.shape import ALONG, along
@@ -24,9 +27,33 @@ def cat(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     placements = {ctx.placement(t) for t in tensors if isinstance(ctx.placement(t), Shard)}
     target = placements.pop()
     if placements or dim in split_dims(target):
+        joined = _segments_of(tensors, dim, ctx)
+        if joined is not None:  # each rank joins its blocks: the segments layout of a fused projection
+            return Result(joined, [Want(t, ctx.placement(t)) for t in tensors] + as_is)
         return Result(REPLICATE, [Want(t, REPLICATE) for t in tensors] + as_is,
                       conflict="cat of differently sharded values or along the sharded dim")
     return Result(target, [Want(t, target) for t in tensors] + as_is)
+
+
+def _segments_of(tensors: list, dim: int, ctx: RuleContext) -> Optional[Shard]:
+    """cat along the dim every operand is split on (q, k and v projected apart, then joined for one convolution:
+    Qwen3-Next, Kimi): rank r's blocks joined are its part of a split in segments, the operands' sizes (their
+    own segments and zero padding carried over). None when an operand is whole or split otherwise."""
+    segs: list = []
+    pads: list = []
+    for t in tensors:
+        p, size = ctx.placement(t), ctx.shape(t)[dim]
+        if not isinstance(p, Shard) or p.dim != dim or p.seq or not isinstance(size, int) or \
+                p.pieces is not None or p.seg_pieces is not None or p.outer is not None or p.split_next is not None:
+            return None
+        own = list(p.segments) if p.segments else [size]
+        segs += own
+        pads += list(padding_sizes(p.padded)) if p.padded is not None else own
+        if p.padded is not None and not isinstance(p.padded, tuple) and len(own) != 1:
+            return None
+    if len(segs) < 2:
+        return None
+    return Shard(dim, tuple(segs), padded=None if pads == segs else tuple(pads))
 
 
 def _skipped(shape: object) -> bool:
