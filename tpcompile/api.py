@@ -69,8 +69,9 @@ def shard(model: nn.Module, world_size: int, *, example_inputs: Any = (), exampl
     captured = time.perf_counter()
     sm = shard_captured(cap, world_size, plan=plan, group=group, sequence_parallel=sequence_parallel, comm=comm)
     sm.timings.update(capture_s=captured - start, passes_s=time.perf_counter() - captured)
-    sm.shapes = ShapeCache(sm, model, lambda args, kwargs, whole: shard_captured(  # shapes the guards refuse: this
-        capture(model, args, kwargs, dynamic_shapes), world_size, plan=plan, group=group,  # again (runtime/shape_cache.py)
+    # shapes the guards refuse: all this again, keeping whole what this capture keeps whole (runtime/shape_cache.py)
+    sm.shapes = ShapeCache(sm, model, lambda args, kwargs, whole: shard_captured(
+        capture(model, args, kwargs, dynamic_shapes), world_size, plan=plan, group=group,
         sequence_parallel=sequence_parallel, comm=comm, whole=whole))
     return sm
 

@@ -100,7 +100,7 @@ def wished_upstream(sweep: Any) -> set[str]:
         n = todo.pop()
         for i in n.all_input_nodes:
             p = i.meta.get("tp_placement", REPLICATE)
-            if i in seen or not (isinstance(p, Shard) or (isinstance(p, tuple) and any(isinstance(q, Shard) for q in p))):
+            if i in seen or not any(isinstance(q, Shard) for q in (p if isinstance(p, tuple) else (p,))):
                 continue
             seen.add(i)
             if i.op != "get_attr":
