@@ -419,3 +419,28 @@ def test_cat_along_the_split_dim_joins_into_segments(ws: int) -> None:
         sm = _check(JoinedForOneConv().eval(), torch.randn(2, 5, 32), ws)
     assert sm.plan.modules == {"q": "column", "k": "column", "v": "column", "conv": "channels", "out_v": "row",
                                "out_qk": "row"}, sm.plan.modules
+
+
+class FusedForOneConv(nn.Module):
+    """One projection of q|k|v (24 + 24 + 48), channels first through a causal depthwise convolution and an
+    activation, then split: the split sizes are found past the convolution, so the projection is cut in segments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+        self.conv = nn.Conv1d(96, 96, 3, groups=96, padding=2)
+        self.out_v, self.out_qk = nn.Linear(48, 32), nn.Linear(24, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(self.conv(self.qkv(x).transpose(1, 2))[..., : x.shape[1]]).transpose(1, 2)
+        q, k, v = torch.split(h, [24, 24, 48], dim=-1)
+        return self.out_v(v) + self.out_qk(q * k)
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_split_sizes_are_found_past_a_depthwise_convolution(ws: int) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpcompile.TPCompileWarning)
+        sm = _check(FusedForOneConv().eval(), torch.randn(2, 5, 32), ws)
+    assert sm.plan.modules == {"qkv": "column", "conv": "channels", "out_v": "row", "out_qk": "row"}, sm.plan.modules
+    assert sm.plan.parameters["qkv.weight"].segments == (24, 24, 48)

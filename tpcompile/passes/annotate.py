@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
+from tpcompile.passes.feature_walk import keeps_features
 from tpcompile.passes.head_groups import mark_head_groups
 from tpcompile.passes.param_pieces import mark_pieces
 from tpcompile.passes.pass_context import PassContext, module_path, owner_path
@@ -271,6 +272,8 @@ def _segment_parts(node: Node) -> Optional[tuple[tuple[int, ...], list[Optional[
         if moved is not None and moved != fdim and nxt.target in (torch.ops.aten.transpose.int,
                                                                   torch.ops.aten.permute.default):
             fdim = moved  # the features move (channels first for a convolution)
+        elif not last and keeps_features(nxt, cur, fdim):
+            pass  # channels first, through a depthwise convolution, an activation, a cut of the tokens
         elif spec is None or spec.rule not in _FOLLOW or not last or _last_dim(nxt) != width:
             return None
         else:

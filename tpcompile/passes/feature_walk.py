@@ -1,0 +1,24 @@
+"""Ops a fused projection's features pass through unchanged, channels first: what annotate's search for the
+sizes a projection's output is split into (passes/annotate.py, `_segment_parts`) may walk past."""
+from __future__ import annotations
+
+import torch
+from torch.fx import Node
+
+from tpcompile.sharding_rules import lookup
+
+
+def keeps_features(nxt: Node, cur: Node, fdim: int) -> bool:
+    """True when `nxt` keeps the features of `cur` at dim `fdim`, each where it was: an elementwise op, a slice of
+    another dim, or a depthwise convolution over them as channels (the short convolution of linear attention)."""
+    a, b = cur.meta.get("val"), nxt.meta.get("val")
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() != b.dim() \
+            or a.shape[fdim] != b.shape[fdim] or nxt.args[0] is not cur:
+        return False
+    spec = lookup(nxt.target)
+    if spec is not None and spec.rule == "pointwise":
+        return True
+    if nxt.target is torch.ops.aten.slice.Tensor:
+        return (nxt.args[1] if len(nxt.args) > 1 else 0) % a.dim() != fdim
+    groups = nxt.args[6] if len(nxt.args) > 6 else 1
+    return spec is not None and spec.rule == "weight_conv" and fdim == 1 and groups == a.shape[1]
