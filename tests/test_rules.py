@@ -416,9 +416,11 @@ def test_cat_along_the_split_dim_joins_into_segments(ws: int) -> None:
     each projection is zero-padded (48 -> 50, 24 -> 25) and the joined value keeps each padding."""
     with warnings.catch_warnings():
         warnings.simplefilter("error", tpcompile.TPCompileWarning)
-        sm = _check(JoinedForOneConv().eval(), torch.randn(2, 5, 32), ws)
+        sm = _check(model := JoinedForOneConv().eval(), torch.randn(2, 5, 32), ws)
     assert sm.plan.modules == {"q": "column", "k": "column", "v": "column", "conv": "channels", "out_v": "row",
                                "out_qk": "row"}, sm.plan.modules
+    report = tpcompile.check_gradients(model.train(), sm, torch.randn(2, 6, 32))
+    assert report.ok, str(report)
 
 
 class FusedForOneConv(nn.Module):
@@ -441,6 +443,8 @@ class FusedForOneConv(nn.Module):
 def test_split_sizes_are_found_past_a_depthwise_convolution(ws: int) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", tpcompile.TPCompileWarning)
-        sm = _check(FusedForOneConv().eval(), torch.randn(2, 5, 32), ws)
+        sm = _check(model := FusedForOneConv().eval(), torch.randn(2, 5, 32), ws)
     assert sm.plan.modules == {"qkv": "column", "conv": "channels", "out_v": "row", "out_qk": "row"}, sm.plan.modules
     assert sm.plan.parameters["qkv.weight"].segments == (24, 24, 48)
+    report = tpcompile.check_gradients(model.train(), sm, torch.randn(2, 6, 32))
+    assert report.ok, str(report)

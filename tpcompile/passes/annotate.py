@@ -20,6 +20,7 @@ from tpcompile.sharding_rules.rule_context import weight_view
 
 _SPLITS = {"split", "unbind"}
 _FOLLOW = {"pointwise", "reshape"}
+_ASIDE = (torch.ops.aten.sym_size.int, torch.ops.aten._assert_tensor_metadata.default)
 
 
 def annotate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
@@ -244,7 +245,7 @@ def _segment_parts(node: Node) -> Optional[tuple[tuple[int, ...], list[Optional[
     width, cur = _last_dim(node), node
     fdim = node.meta["val"].dim() - 1 if width else 0  # where the projection's features are in cur
     for _ in range(8):
-        users = [u for u in cur.users if u.target is not torch.ops.aten.sym_size.int]  # shape reads aside
+        users = [u for u in cur.users if u.target not in _ASIDE]  # shape reads and export's metadata checks aside
         last = fdim == cur.meta["val"].dim() - 1
         for u in users:
             spec = lookup(u.target)
