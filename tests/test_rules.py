@@ -368,8 +368,10 @@ def test_gather_along_another_dim_keeps_the_split(ws: int) -> None:
     """At 3 ranks the 64 features are zero-padded to 66 (a layout the DTensor fallback does not take)."""
     with warnings.catch_warnings():
         warnings.simplefilter("error", tpcompile.TPCompileWarning)
-        sm = _check(GatherTokens().eval(), torch.randn(2, 5, 32), ws)
+        sm = _check(model := GatherTokens().eval(), torch.randn(2, 5, 32), ws)
     assert sm.plan.modules == {"up": "column", "down": "row"}
+    report = tpcompile.check_gradients(model.train(), sm, torch.randn(2, 6, 32))
+    assert report.ok, str(report)
 
 
 class RepeatedBatch(nn.Module):
@@ -388,8 +390,10 @@ class RepeatedBatch(nn.Module):
 def test_repeat_along_other_dims_keeps_the_split(ws: int) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", tpcompile.TPCompileWarning)
-        sm = _check(RepeatedBatch().eval(), torch.randn(2, 5, 32), ws)
+        sm = _check(model := RepeatedBatch().eval(), torch.randn(2, 5, 32), ws)
     assert sm.plan.modules == {"up": "column", "down": "row"}
+    report = tpcompile.check_gradients(model.train(), sm, torch.randn(2, 6, 32))
+    assert report.ok, str(report)
 
 
 class JoinedForOneConv(nn.Module):
