@@ -20,5 +20,7 @@ def keeps_features(nxt: Node, cur: Node, fdim: int) -> bool:
         return True
     if nxt.target is torch.ops.aten.slice.Tensor:
         return (nxt.args[1] if len(nxt.args) > 1 else 0) % a.dim() != fdim
-    groups = nxt.args[6] if len(nxt.args) > 6 else 1
-    return spec is not None and spec.rule == "weight_conv" and fdim == 1 and groups == a.shape[1]
+    if spec is None or spec.rule != "weight_conv" or fdim != 1:
+        return False
+    i = spec.get("groups_arg")
+    return (nxt.args[i] if i < len(nxt.args) else 1) == a.shape[1]

@@ -50,8 +50,8 @@ def propagate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
     for n in seeds:
         if ctx.override_for(seed_path(n)) == "replicate" or _kept_whole(n, ctx):
             ctx.demoted[n] = "replicated by the plan"
-    wishable = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
-    bound = 4 * len(seeds) + 2 + len(wishable)
+    params = {n.target for n in gm.graph.nodes if n.op == "get_attr"}  # each kept whole at most once (unwished)
+    bound = 4 * len(seeds) + 2 + len(params)
     resettled = False
     for ctx.iterations in range(1, bound + 1):
         sweep = Sweep(gm, ctx)

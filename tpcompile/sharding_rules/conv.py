@@ -25,7 +25,7 @@ from typing import Any, Optional
 from torch.fx import Node
 
 from tpcompile.layouts import dim_layout
-from tpcompile.placement import PARTIAL, REPLICATE, ParamSlice, Replicate, Shard
+from tpcompile.placement import PARTIAL, REPLICATE, ParamSlice, Replicate, Shard, moved
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, param_behind
 from tpcompile.sharding_rules.table import RuleSpec
@@ -114,9 +114,9 @@ def _grouped(node: Node, spec: RuleSpec, ctx: RuleContext, tensors: list) -> Res
         return _own_groups(node, spec, ctx, src, Shard(1), "column")
     channels = ctx.shape(x)[1] if ctx.shape(x) is not None and len(ctx.shape(x)) > 1 else None
     if _padded_channels(px, channels) and groups == channels:  # depthwise on zero-padded channels (Mamba's)
-        return _own_groups(node, spec, ctx, src, px, "channels", padded=px.padded)
+        return _own_groups(node, spec, ctx, src, px, "channels", Shard(1, padded=px.padded))
     if groups == channels and _segmented_channels(px):  # depthwise over channels joined from several splits
-        return _depthwise_segments(node, spec, ctx, src, px)
+        return _own_groups(node, spec, ctx, src, px, "channels", px)
     if not _channel_split(px):
         return Result(REPLICATE, whole, conflict=f"grouped convolution on an input split as {px}, not on its "
                                                  f"channels (dim 1)")
@@ -127,18 +127,21 @@ def _grouped(node: Node, spec: RuleSpec, ctx: RuleContext, tensors: list) -> Res
 
 
 def _own_groups(node: Node, spec: RuleSpec, ctx: RuleContext, src: Node, px: Shard, role: str,
-                padded: Optional[int] = None) -> Result:
-    """The rank's whole groups: input channels, weight and bias cut alike on dim 0, the group count local (with
-    `padded`, one group per channel of a zero-padded split: the rank's padded share of them)."""
+                channels: Shard = Shard(1)) -> Result:
+    """The rank's whole groups: input channels, weight and bias cut alike on dim 0 as `channels` lays out the
+    output's, the group count local (for a depthwise convolution over a zero-padded split or one in segments,
+    one group per local channel, padding included)."""
     x, w, b = (_arg(node, spec.get(k)) for k in ("input", "weight", "bias"))
-    params: dict[Node, Optional[ParamSlice]] = {src: ParamSlice(0, padded=padded)}
+    sl = ParamSlice(0, channels.segments, channels.padded)
+    params: dict[Node, Optional[ParamSlice]] = {src: sl}
     if isinstance(b, Node) and ctx.param(b) is not None:
-        params[b] = ParamSlice(0, padded=padded)
-    cut = Shard(0, padded=padded)
+        params[b] = sl
+    cut = moved(channels, 0)
     wants = [Want(x, px), Want(w, cut)] + ([Want(b, cut)] if isinstance(b, Node) else [])
-    local = ("split", spec.get("groups_arg"), None, None) if padded is None else \
-        ("set", spec.get("groups_arg"), padded // ctx.world_size, None)
-    return Result(Shard(1, padded=padded), wants, role=role, params=params, localize=[local])
+    total = sum(channels.segments) if channels.segments else None
+    local = ("split", spec.get("groups_arg"), None, None) if channels.plain else \
+        ("set", spec.get("groups_arg"), dim_layout(channels, total, ctx.world_size).local_size(0), None)
+    return Result(channels, wants, role=role, params=params, localize=[local])
 
 
 def _segmented_channels(p: Any) -> bool:
@@ -146,17 +149,3 @@ def _segmented_channels(p: Any) -> bool:
     return isinstance(p, Shard) and p.dim == 1 and p.segments is not None and not p.seq and p.pieces is None \
         and p.seg_pieces is None and p.outer is None and p.split_next is None \
         and (p.padded is None or isinstance(p.padded, tuple))
-
-
-def _depthwise_segments(node: Node, spec: RuleSpec, ctx: RuleContext, src: Node, px: Shard) -> Result:
-    """A depthwise convolution over channels split in segments: weight and bias cut in the same segments, one
-    group a local channel."""
-    x, w, b = (_arg(node, spec.get(k)) for k in ("input", "weight", "bias"))
-    sl = ParamSlice(0, px.segments, px.padded)
-    params: dict[Node, Optional[ParamSlice]] = {src: sl}
-    if isinstance(b, Node) and ctx.param(b) is not None:
-        params[b] = sl
-    cut = Shard(0, px.segments, padded=px.padded)
-    wants = [Want(x, px), Want(w, cut)] + ([Want(b, cut)] if isinstance(b, Node) else [])
-    local = dim_layout(px, sum(px.segments), ctx.world_size).local_size(0)
-    return Result(px, wants, role="channels", params=params, localize=[("set", spec.get("groups_arg"), local, None)])

@@ -36,8 +36,8 @@ def cat(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
 
 
 def _segments_of(tensors: list, dim: int, ctx: RuleContext) -> Optional[Shard]:
-    """cat along the dim every operand is split on (q, k and v projected apart, then joined for one convolution:
-    Qwen3-Next, Kimi): rank r's blocks joined are its part of a split in segments, the operands' sizes (their
+    """cat along the dim every operand is split on (q, k and v projected apart, then joined for one convolution, as
+    linear-attention layers do): rank r's blocks joined are its part of a split in segments, the operands' sizes (their
     own segments and zero padding carried over). None when an operand is whole or split otherwise."""
     segs: list = []
     pads: list = []

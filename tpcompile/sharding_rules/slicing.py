@@ -131,8 +131,8 @@ def _whole_pick(p: Shard, positions: tuple, size: Any) -> bool:
 @rule("gather")
 def gather(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """torch.gather(x, dim, index): out[..., i, ...] = x[..., index[..., i, ...], ...] along `dim`. Split along
-    another dim where x and index have the same size (ProphetNet's relative positions per folded head): each
-    rank gathers from its own rows with its own rows of the index (a local slice of a whole index)."""
+    another dim where x and index have the same size, zero-padded splits included: each rank gathers from its own
+    rows with its own rows of the index (a local slice of a whole index)."""
     x, index = node.args[0], node.args[2]
     dim = norm_dim(node.args[1], len(ctx.shape(x)))
     if ctx.all_replicated([x, index]):
