@@ -177,9 +177,10 @@ def test_first_gradients_are_slices_of_unsharded(name: str, ws: int) -> None:
     run = _train(name, ws, torch.float64, STEPS)
     n_sliced = _check_gradients(run)
     # Sliced gradients per rank: GPT's 4 column/row weights and 2 column biases per block,
-    # plus the embedding under both of its tied names; Llama's 7 projections per block (at 4
-    # ranks the 2 key-value heads are pieces shared by 2 ranks each) plus embedding and head.
-    per_rank = {"gpt": 6 * 2 + 2, "llama": 7 * 2 + 2}[name]
+    # plus the embedding under both of its tied names and the position table (split by rows, its
+    # sum added to the token embeddings' before their all-reduce); Llama's 7 projections per block
+    # (at 4 ranks the 2 key-value heads are pieces shared by 2 ranks each) plus embedding and head.
+    per_rank = {"gpt": 6 * 2 + 3, "llama": 7 * 2 + 2}[name]
     assert n_sliced == per_rank * ws
 
 

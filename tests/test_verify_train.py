@@ -101,7 +101,9 @@ def test_unsummed_column_input_gradient_is_caught() -> None:
     assert {"transformer.h.1.ln_2.weight", "transformer.h.1.ln_2.bias", "transformer.h.0.mlp.c_fc.weight"} <= wrong
     after = {"transformer.h.1.mlp.c_fc.weight", "transformer.h.1.mlp.c_proj.weight", "transformer.ln_f.weight"}
     assert not wrong & after
-    assert all(g.bad_ranks == [0, 1] for g in report.mismatches)
+    pos = "transformer.wpe.weight"  # split by rows: the 16 positions read are rank 0's, rank 1's rows get none
+    assert all(g.bad_ranks == [0, 1] for g in report.mismatches if g.name != pos)
+    assert [g.bad_ranks for g in report.mismatches if g.name == pos] == [[0]]
 
 
 def test_missing_gradient_on_a_rank_is_a_mismatch() -> None:

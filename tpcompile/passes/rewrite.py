@@ -12,6 +12,7 @@ import tpcompile.ops  # noqa: F401  (registers torch.ops.tpcompile.* and tpcompi
 from tpcompile.ops.guards import check_token_ids
 from tpcompile.ops.schedule import collective_name
 from tpcompile.passes.pass_context import PassContext, describe, internal_error
+from tpcompile.passes.pending_sums import reduce_site, sum_paths
 from tpcompile.passes.rank_module import build_rank_module
 from tpcompile.passes.rewrite_dropout import (emit_dropout, emit_sdpa_with_dropout, is_idle_dropout, is_live_dropout,
                                              sdpa_dropout)
@@ -89,12 +90,12 @@ class _Emitter:
         return src
 
     def _reduce_pending(self, value: Node, src: Node) -> Node:
-        """The all-reduce of a pending sum, attributed (module path, stack) to the op that left it pending."""
-        consumer, self.current = self.current, value
-        try:
-            return self._once(("reduce", value), tp.all_reduce.default, src, self.ctx.group)
-        finally:
-            self.current = consumer
+        """The all-reduce of a pending sum, attributed (module path, stack) to the op that left it pending or to its
+        first summand (passes/pending_sums.py); its meta names the modules whose splits made the sum."""
+        consumer, self.current = self.current, reduce_site(value)
+        out = self._once(("reduce", value), tp.all_reduce.default, src, self.ctx.group)
+        self.current, out.meta["tp_sum_of"] = consumer, sum_paths(value)
+        return out
 
     def _once(self, key: tuple, target: Any, *args: Any) -> Node:
         if key not in self.cache:
@@ -258,7 +259,7 @@ def _reduce(em: _Emitter, node: Node, y: Node) -> Node:
 
 
 def _emit_vocab(em: _Emitter, node: Node, lookup: Callable[[Node], Node]) -> Node:
-    """Vocabulary split: look up only this rank's rows, zero the rest, one all-reduce."""
+    """Vocabulary split: look up only this rank's rows, zero the rest; one all-reduce, or the sum left pending."""
     w, idx = lookup(node.args[0]), lookup(node.args[1])
     sl = em.ctx.slice_for(node.args[0].target)
     rows_in_model = int(node.args[0].meta["val"].shape[0])
@@ -271,7 +272,7 @@ def _emit_vocab(em: _Emitter, node: Node, lookup: Callable[[Node], Node]) -> Nod
     pad = pad - start if start <= pad < stop else -1
     rows = em.call(aten.embedding.default, w, local, pad, *node.args[3:])
     rows = em.call(aten.masked_fill.Scalar, rows, em.call(aten.unsqueeze.default, outside, -1), 0.0)
-    return _reduce(em, node, rows)
+    return rows if isinstance(node.meta.get("tp_placement"), Partial) else _reduce(em, node, rows)  # or pending
 
 
 def _localize(em: _Emitter, node: Node, locs: list[tuple]) -> tuple:

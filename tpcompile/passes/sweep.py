@@ -15,6 +15,7 @@ from tpcompile.passes.layout import Layout
 from tpcompile.passes.param_cuts import cut_two_ways, wished_cut
 from tpcompile.passes.op_result import check_wants, gathering_seq, op_result
 from tpcompile.passes.pass_context import PassContext, describe, internal_error
+from tpcompile.passes.pending_sums import lonely_lookups
 from tpcompile.passes.region_bodies import place_body
 from tpcompile.placement import REPLICATE, ParamSlice, Shard, is_seq, slice_placement
 from tpcompile.sharding_rules.partial import partial_result
@@ -83,6 +84,7 @@ class Sweep:
                 node.meta["tp_layout"] = Layout()
             else:
                 self.visit(node)
+        self.conflicts += lonely_lookups(self.gm, _is_user_input)
         self.settle_parameters()
 
     def read_parameter(self, node: Node) -> None:

@@ -160,17 +160,24 @@ def _out_dim(d: int, ndim: int, nout: int, is_a: bool) -> Optional[int]:
 
 @rule("embedding")
 def embedding(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
-    """Embedding lookup: split by vocabulary when the indices are the user's token ids."""
+    """Embedding lookup: split by rows (vocabulary), each rank's rows looked up, the sum left pending.
+
+    The user's token ids split their table by vocabulary. A table read with other indices (positions, token
+    types) is split the same way: its pending sum is added to the token embeddings' before the one all-reduce
+    (passes/pending_sums.py keeps it whole where its sum would need an all-reduce of its own). Under sequence
+    parallelism a lookup is reduce-scattered at once, so only the token ids' table is split.
+    """
     w, idx = node.args[0], node.args[1]
     wshape = ctx.shape(w)
     params: dict[Node, Optional[ParamSlice]] = {w: None}
     if not isinstance(ctx.placement(idx), Replicate):
         return Result(REPLICATE, [Want(idx, REPLICATE)], params=params, conflict="indices are sharded")
-    if ctx.param(w) is None or ctx.demoted(node) or not ctx.is_user_input(idx):
+    if ctx.param(w) is None or ctx.demoted(node) or not (ctx.is_user_input(idx) or not ctx.sequence_parallel):
         return Result(REPLICATE, [Want(idx, REPLICATE)], role="replicated", params=params)
     padded = padded_size(wshape[0], ctx.world_size) if wshape[0] % ctx.world_size else None
     params[w] = ParamSlice(0, None, padded)
-    return Result(ctx.reduced(node), [Want(idx, REPLICATE)], role="vocab", params=params)
+    out = ctx.reduced(node) if ctx.sequence_parallel else PARTIAL
+    return Result(out, [Want(idx, REPLICATE)], role="vocab", params=params)
 
 
 @rule("sdpa")

@@ -87,8 +87,9 @@ def _split(p: Any) -> bool:
     return any(isinstance(x, Shard) and not x.seq for x in ps)
 
 
-def _find_units(profile: ModelProfile, sm: Any) -> tuple[list[Unit], dict[str, Unit]]:
-    """Units from the plan's split weight modules, tied weights merged; module path -> unit."""
+def _find_units(profile: ModelProfile, sm: Any, rank0: Any) -> tuple[list[Unit], dict[str, Unit]]:
+    """Units from the plan's split weight modules, tied weights and the modules whose pending sums one all-reduce
+    reduces (token and position embeddings) merged; module path -> unit."""
     modules = [m for m, role in sm.plan.modules.items() if role in SPLIT_ROLES]
     key: dict[str, str] = {}
     for m in modules:
@@ -97,8 +98,9 @@ def _find_units(profile: ModelProfile, sm: Any) -> tuple[list[Unit], dict[str, U
         key[m] = parent if parent and inside is not None and profile.block_of_path(parent) == inside else m
         if inside is None and len([b for b in profile.blocks]) == 1 and parent:
             key[m] = parent  # a model without repeated layers: one unit per parent module
-    for pp in sm.plan.parameters.values():  # tied weights: one decision for all their modules
-        owners = [n.rpartition(".")[0] for n in (pp.name, *pp.tied)]
+    joined = [[n.rpartition(".")[0] for n in (pp.name, *pp.tied)] for pp in sm.plan.parameters.values()]
+    joined += [list(n.meta["tp_sum_of"]) for n in rank0.nodes if n.meta.get("tp_sum_of")]
+    for owners in joined:  # tied weights, summands of one sum: one decision for all their modules
         owners = [o for o in owners if o in key]
         for o in owners[1:]:
             old, new = key[o], key[owners[0]]
@@ -144,7 +146,7 @@ def tp_profile(profile: ModelProfile, degree: int) -> TPProfile:
         warnings.simplefilter("ignore", TPCompileWarning)
         sm = shard_captured(profile.captured, degree)
         rank0 = sm.rank_graph(0)  # the graph sm.rank(0) wraps
-    units, by_path = _find_units(profile, sm)
+    units, by_path = _find_units(profile, sm, rank0)
     blocks = [BlockTP() for _ in profile.blocks]
     live = nc.input_dependent(sm.captured.graph.nodes)
     per = 1.0 / CAPTURE_BATCH
@@ -189,7 +191,8 @@ def tp_profile(profile: ModelProfile, degree: int) -> TPProfile:
         elems = math.prod(int(s) for s in call.shape if str(s).isdigit()) * per
         source = node.args[0] if node.args and hasattr(node.args[0], "meta") else node
         path = module_path(node) or module_path(source)
-        unit = _unit_of(path, by_path)
+        # a pending sum joined outside the modules that split it (token plus position embeddings) is theirs
+        unit = next((u for p in (path, *node.meta.get("tp_sum_of", ())) if (u := _unit_of(p, by_path))), None)
         coll = Collective(call.op, elems)
         if unit is not None:
             unit.collectives.append(coll)

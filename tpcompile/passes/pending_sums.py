@@ -1,0 +1,88 @@
+"""Pending sums that would be reduced alone: the row-split lookups that are not worth their all-reduce.
+
+An embedding table read with indices other than the user's token ids (positions, token types) is split by
+rows like the token embeddings (sharding_rules/matmul.py `embedding`): each rank looks up its own rows and
+the sum stays pending (sharding_rules/partial.py). Added to the token embeddings' pending sum, it is reduced
+by the same all-reduce: its table is split for free. Where its sum reaches an op that needs it whole without
+meeting a pending sum of the token ids or of a row split (a relative-position bias added to split attention
+scores, a table whose token embeddings are kept whole), it would cost an all-reduce of its own: such lookups
+are blamed with a choice (shown in the plan, not warned), and the next round keeps their tables whole.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch.fx import GraphModule, Node
+
+from tpcompile.passes.pass_context import describe, module_path
+from tpcompile.placement import Partial
+from tpcompile.sharding_rules.rule_context import Choice
+
+
+def lonely_lookups(gm: GraphModule, is_user_input: Any) -> list[tuple[frozenset, Choice]]:
+    """(lookups, why) for each pending sum that is reduced while made only of lookups with other indices."""
+    origins: dict[Node, frozenset] = {}  # pending value -> the ops that made its summands
+    side: set[Node] = set()  # lookups whose indices are not the user's token ids
+    found: dict[frozenset, Node] = {}
+    for node in gm.graph.nodes:
+        layout = node.meta.get("tp_layout")
+        if isinstance(node.meta.get("tp_placement"), Partial):
+            wants = layout.wants if layout is not None else []
+            ins = frozenset().union(*(origins.get(w.node, frozenset()) for w in wants
+                                      if isinstance(w.placement, Partial)))
+            origins[node] = ins or frozenset([node])
+            if not ins and layout is not None and layout.role == "vocab" and not is_user_input(node.args[1]):
+                side.add(node)
+        for value in _reduced_inputs(node):
+            made = origins.get(value, frozenset())
+            if made and made <= side:
+                found.setdefault(made, value)
+    return [(made, Choice(f"{describe(value)}: reads whole the sum of {', '.join(sorted(describe(m) for m in made))}, "
+                          f"looked up with indices that are not the token ids; that sum would need an all-reduce "
+                          f"of its own, so the table is kept whole"))
+            for made, value in found.items()]
+
+
+def _reduced_inputs(node: Node) -> list[Node]:
+    """The pending inputs this op reads whole (the rewriter all-reduces them before it)."""
+    pending = [i for i in node.all_input_nodes if isinstance(i.meta.get("tp_placement"), Partial)]
+    if not pending:
+        return []
+    if node.op == "output":
+        return pending
+    layout = node.meta.get("tp_layout")
+    if layout is None:
+        return pending
+    wanted = {w.node: w.placement for w in layout.wants}
+    return [i for i in pending if not isinstance(wanted.get(i), Partial)]
+
+
+def summands(value: Node) -> list[Node]:
+    """The ops whose summands make the pending `value` (row splits, lookups), in graph order."""
+    made, todo, seen = set(), [value], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        layout = n.meta.get("tp_layout")
+        ins = [w.node for w in (layout.wants if layout is not None else []) if isinstance(w.placement, Partial)
+               and isinstance(w.node.meta.get("tp_placement"), Partial)]
+        todo += ins
+        if not ins:
+            made.add(n)
+    return [n for n in value.graph.nodes if n in made]
+
+
+def sum_paths(value: Node) -> tuple[str, ...]:
+    """The module paths of the summands of the pending `value`: an all-reduce of a sum joined outside them (token
+    plus position embeddings) is priced by the planner as their split's."""
+    return tuple(p for n in summands(value) if (p := module_path(n)))
+
+
+def reduce_site(value: Node) -> Node:
+    """The op an all-reduce of the pending `value` is attributed to: `value`, when its module holds every summand
+    (experts summed in their MoE layer), else the first summand (token and position embeddings added at the top)."""
+    where, made = module_path(value) or "", summands(value)
+    inside = all((module_path(m) or "").startswith(where + ".") or module_path(m) == where for m in made)
+    return value if not where or inside else made[0]
