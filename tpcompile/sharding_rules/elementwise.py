@@ -72,6 +72,20 @@ def along_dim(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     return Result(p, [Want(x, p)])
 
 
+@rule("last_dims", args={"count": int})
+def last_dims(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """tril / triu: one matrix op per entry of the leading dims; fine unless a split dim is one of the last `count`."""
+    x = node.args[0]
+    p = ctx.placement(x)
+    if isinstance(p, Replicate):
+        return Result(REPLICATE, [Want(x, REPLICATE)])
+    ndim = len(ctx.shape(x))
+    if any(d >= ndim - spec.get("count") for d in split_dims(p)):
+        return Result(REPLICATE, [Want(x, REPLICATE)],
+                      conflict=f"acts on the last {spec.get('count')} dims as a whole, and {p} splits one of them")
+    return Result(p, [Want(x, p)])
+
+
 @rule("new_sized", args={"shape_arg": int})
 def new_sized(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """x.new_empty(size) / new_zeros / new_ones / new_full: a fresh tensor whose size keeps x's split dim (the

@@ -33,7 +33,27 @@ def _fail(node: Node, why: str) -> Result:
 
 
 def _groups(ins: Sequence[Size], outs: Sequence[Size]) -> Optional[list[tuple[list[int], list[int]]]]:
-    """Pair runs of input dims with runs of output dims of equal element count."""
+    """Pair runs of input dims with runs of output dims of equal element count.
+
+    Where dynamic sizes defeat it (a padded length cut into chunks of size `T // (T // 64)`), the dims equal at
+    both ends pair one to one (a reshape is the identity on them) and the dims between them are one run."""
+    return _runs(ins, outs) or _ends(ins, outs)
+
+
+def _ends(ins: Sequence[Size], outs: Sequence[Size]) -> Optional[list[tuple[list[int], list[int]]]]:
+    front, back, n = 0, 0, min(len(ins), len(outs))
+    while front < n and sizes_equal(ins[front], outs[front]):
+        front += 1
+    while back < n - front and sizes_equal(ins[-1 - back], outs[-1 - back]):
+        back += 1
+    middle = (list(range(front, len(ins) - back)), list(range(front, len(outs) - back)))
+    if not middle[0] or not middle[1]:  # only size-1 dims differ, which the pairing handles
+        return None
+    return ([([d], [d]) for d in range(front)] + [middle]
+            + [([len(ins) - 1 - b], [len(outs) - 1 - b]) for b in reversed(range(back))])
+
+
+def _runs(ins: Sequence[Size], outs: Sequence[Size]) -> Optional[list[tuple[list[int], list[int]]]]:
     groups, i, j = [], 0, 0
     while i < len(ins) or j < len(outs):
         gi, gj = [], []
