@@ -175,7 +175,7 @@ def _rewrite_node(em: _Emitter, node: Node) -> None:
         em.env[node] = em.graph.node_copy(node, lambda n: em.env[n])
         return
     repl = {w.node: em.converted(w) for w in layout.wants}
-    if layout.role == "column":
+    if layout.role in ("column", "channels"):  # a grouped convolution's kernel is cut like its channels
         repl.update(_piece_params(em, node))
     lookup: Lookup = lambda n: repl.get(n, em.env[n])  # noqa: E731
     emit = next(emit for matches, emit in REWRITES if matches(node))

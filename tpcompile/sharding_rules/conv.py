@@ -132,7 +132,7 @@ def _own_groups(node: Node, spec: RuleSpec, ctx: RuleContext, src: Node, px: Sha
     output's, the group count local (for a depthwise convolution over a zero-padded split or one in segments,
     one group per local channel, padding included)."""
     x, w, b = (_arg(node, spec.get(k)) for k in ("input", "weight", "bias"))
-    sl = ParamSlice(0, channels.segments, channels.padded)
+    sl = ParamSlice(0, channels.segments, channels.padded, seg_pieces=channels.seg_pieces)
     params: dict[Node, Optional[ParamSlice]] = {src: sl}
     if isinstance(b, Node) and ctx.param(b) is not None:
         params[b] = sl
@@ -147,5 +147,5 @@ def _own_groups(node: Node, spec: RuleSpec, ctx: RuleContext, src: Node, px: Sha
 def _segmented_channels(p: Any) -> bool:
     """Channels (dim 1) split in segments, each over every rank (zero-padded each or not): q|k|v joined by a cat."""
     return isinstance(p, Shard) and p.dim == 1 and p.segments is not None and not p.seq and p.pieces is None \
-        and p.seg_pieces is None and p.outer is None and p.split_next is None \
+        and p.outer is None and p.split_next is None \
         and (p.padded is None or isinstance(p.padded, tuple))
