@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from tpcompile.passes.feature_walk import keeps_features
+from tpcompile.passes.feature_walk import keeps_features, nested
 from tpcompile.passes.head_groups import mark_head_groups
 from tpcompile.passes.param_pieces import mark_pieces
 from tpcompile.passes.pass_context import PassContext, module_path, owner_path
@@ -205,9 +205,9 @@ def _head_size(value: Node, width: int) -> Optional[int]:
     if _along_heads(value) and all(isinstance(v, int) for v in val.shape[-2:]) \
             and val.shape[-2] * val.shape[-1] == width:  # a part cut from (.., heads, d) along the heads
         return int(val.shape[-1])
-    todo, seen = [value], set()
+    todo, seen = [(value, False)], set()
     while todo and len(seen) < 12:
-        n = todo.pop(0)
+        n, mixed = todo.pop(0)
         for u in n.users:
             if u in seen:
                 continue
@@ -215,11 +215,13 @@ def _head_size(value: Node, width: int) -> Optional[int]:
             spec = lookup(u.target)
             val = u.meta.get("val")
             heads = _heads_dim(val, width) if spec is not None and spec.rule == "reshape" else None
-            if heads is not None and _last_dim(n) == width:  # (.., h, d) or (.., h, 3, d): d or 3d a head
+            # (.., h, d) or (.., h, 3, d): d or 3d a head; one head (multi-query) of the value, not of its product
+            if heads is not None and _last_dim(n) == width and not (heads == 1 and mixed):
                 return width // heads
             if spec is not None and spec.rule in ("pointwise", "transpose", "reshape", "norm") \
                     and _last_dim(u) == width:
-                todo.append(u)
+                todo.append((u, mixed or any(i is not n and i.op != "get_attr" and _last_dim(i) == width
+                                             for i in u.all_input_nodes)))
     return None
 
 
@@ -242,8 +244,11 @@ def _segment_parts(node: Node) -> Optional[tuple[tuple[int, ...], list[Optional[
     """Sizes a fused projection's output is split into along its feature dim (q|k|v; the last dim, or where
     transposes move it, as Mamba's `in_proj(x).transpose(1, 2).chunk(2, dim=1)` does), and the value holding
     each part (None for a stacked (3, heads, dim) layout), if it is split."""
-    width, cur = _last_dim(node), node
-    fdim = node.meta["val"].dim() - 1 if width else 0  # where the projection's features are in cur
+    width = _last_dim(node)
+    return _walk(node, width, node.meta["val"].dim() - 1 if width else 0)  # fdim: where the features are in cur
+
+
+def _walk(cur: Node, width: int, fdim: int, splits_only: bool = False) -> Optional[tuple[tuple, list]]:
     for _ in range(8):
         users = [u for u in cur.users if u.target not in _ASIDE]  # shape reads and export's metadata checks aside
         last = fdim == cur.meta["val"].dim() - 1
@@ -255,15 +260,16 @@ def _segment_parts(node: Node) -> Optional[tuple[tuple[int, ...], list[Optional[
                 dim = u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)
                 if dim % ndim == fdim:
                     got = {g.args[1]: g for g in u.users if g.target is operator.getitem}
-                    return tuple(int(v.shape[fdim]) for v in vals), [got.get(i) for i in range(len(vals))]
-            if spec is not None and spec.rule == "reshape" and width and last:
+                    return nested(tuple(int(v.shape[fdim]) for v in vals), [got.get(i) for i in range(len(vals))],
+                                  fdim, _walk)
+            if spec is not None and spec.rule == "reshape" and width and last and not splits_only:
                 stacked = _stacked_segments(u, width)
                 if stacked:
                     return stacked, [None] * len(stacked)
                 headed = _head_parts(u, width)
                 if headed:
                     return headed
-        sliced = _sliced_segments(cur, width) if last else None
+        sliced = _sliced_segments(cur, width) if last and not splits_only else None
         if sliced:
             return sliced
         if len(users) != 1:

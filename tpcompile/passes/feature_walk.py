@@ -2,6 +2,8 @@
 sizes a projection's output is split into (passes/annotate.py, `_segment_parts`) may walk past."""
 from __future__ import annotations
 
+from typing import Any, Callable, Optional
+
 import torch
 from torch.fx import Node
 
@@ -24,3 +26,19 @@ def keeps_features(nxt: Node, cur: Node, fdim: int) -> bool:
         return False
     i = spec.get("groups_arg")
     return (nxt.args[i] if i < len(nxt.args) else 1) == a.shape[1]
+
+
+def nested(sizes: tuple, parts: list[Optional[Node]], fdim: int, walk: Callable[..., Any]) -> tuple[tuple, list]:
+    """The sizes a projection's output is split into, each part split again further on replaced by its own parts
+    (Mamba-2's x|B|C, one part of z|xBC|dt, split after the depthwise convolution over it)."""
+    out_sizes: list = []
+    out_parts: list[Optional[Node]] = []
+    for size, part in zip(sizes, parts):
+        sub = walk(part, size, fdim, True) if part is not None else None
+        if sub and sum(sub[0]) == size:
+            out_sizes += sub[0]
+            out_parts += sub[1]
+        else:
+            out_sizes.append(size)
+            out_parts.append(part)
+    return tuple(out_sizes), out_parts

@@ -133,10 +133,6 @@ def _is_sdpa_with_dropout(node: Node) -> bool:
     return node.target is aten.scaled_dot_product_attention.default and sdpa_dropout(node) > 0
 
 
-def _drop(em: "_Emitter", node: Node, lookup: Lookup) -> None:
-    return None
-
-
 def _emit_copy(em: "_Emitter", node: Node, lookup: Lookup) -> Node:
     """The op itself on the rank's values, its size literals made local."""
     new = em.graph.node_copy(node, lookup)
@@ -146,6 +142,7 @@ def _emit_copy(em: "_Emitter", node: Node, lookup: Lookup) -> Node:
     if isinstance(node.meta.get("tp_placement"), (Shard, tuple)):
         new.meta.pop("val", None)
         new.meta.pop("tensor_meta", None)
+        new.kwargs = {k: v for k, v in new.kwargs.items() if k != "output_size"}  # repeat_interleave's whole size
     return new
 
 
@@ -156,7 +153,7 @@ REWRITES: list[tuple[Callable[[Node], bool], Emit]] = [
     (is_stats, emit_stats),  # a reduction or norm over the split dim: partial statistics, one small collective
     # cond / map / an autocast region: its bodies rewritten for this rank
     (is_region, lambda em, node, lookup: emit_region(em, node, lookup, _rewrite_node)),
-    (lambda node: _stale_metadata_assert(node), _drop),  # asserts a sharded tensor's global size
+    (lambda n: _stale_metadata_assert(n), lambda em, node, lookup: None),  # asserts a sharded tensor's global size
     (is_idle_dropout, lambda em, node, lookup: lookup(node.args[0])),  # off (eval, p = 0): the identity, no op
     (is_live_dropout, emit_dropout),  # mask from each element's position in the whole tensor (ops/rng.py)
     (_is_sdpa_with_dropout, emit_sdpa_with_dropout),  # attention spelled out, its probabilities masked alike

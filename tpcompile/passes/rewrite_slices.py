@@ -56,7 +56,7 @@ def local_slice(em: Any, src: Node, node: Node, p: Shard, sync: bool = True) -> 
         x = em.call(aten.unflatten.int, x, dim, [-1, block])
         dim += 1
     runs = [em.call(aten.narrow.default, x, dim, a, b - a)
-            for a, b in segment_ranges(block, p.segments, em.rank, em.ws)]
+            for a, b in segment_ranges(block, p.segments, em.rank, em.ws, p.seg_pieces)]
     x = runs[0] if len(runs) == 1 else em.call(aten.cat.default, runs, dim)
     return em.call(aten.flatten.using_ints, x, dim - 1, dim) if p.outer is not None else x
 

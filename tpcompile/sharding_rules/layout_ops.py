@@ -35,7 +35,7 @@ def repeat_interleave(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     i, j = spec.get("repeats_arg"), spec.get("dim_arg")
     repeats = node.args[i] if i < len(node.args) else None
     dim = node.args[j] if j < len(node.args) else node.kwargs.get("dim")
-    if dim is None or not isinstance(repeats, int) or "output_size" in node.kwargs:
+    if dim is None or not isinstance(repeats, int):  # (an output_size hint is dropped where the output is split)
         return dtensor_result(node, ctx) or _fail(x, "repeats the flattened value, or a tensor of repeats")
     dim = norm_dim(dim, len(ctx.shape(x)))
     if dim != p.dim:

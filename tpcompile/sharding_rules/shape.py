@@ -47,10 +47,9 @@ def _ends(ins: Sequence[Size], outs: Sequence[Size]) -> Optional[list[tuple[list
     while back < n - front and sizes_equal(ins[-1 - back], outs[-1 - back]):
         back += 1
     middle = (list(range(front, len(ins) - back)), list(range(front, len(outs) - back)))
-    if not middle[0] or not middle[1]:  # only size-1 dims differ, which the pairing handles
-        return None
-    return ([([d], [d]) for d in range(front)] + [middle]
-            + [([len(ins) - 1 - b], [len(outs) - 1 - b]) for b in reversed(range(back))])
+    return None if not middle[0] or not middle[1] else (  # (only size-1 dims differ: the pairing handles those)
+        [([d], [d]) for d in range(front)] + [middle]
+        + [([len(ins) - 1 - b], [len(outs) - 1 - b]) for b in reversed(range(back))])
 
 
 def _runs(ins: Sequence[Size], outs: Sequence[Size]) -> Optional[list[tuple[list[int], list[int]]]]:
@@ -182,8 +181,9 @@ def reshape(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return res
     outs = ctx.shape(node)
     if spec.get("shape_arg") is not None and out.dim > 0 and outs[out.dim - 1] == 1 and p.dim < len(ctx.shape(x)) \
-            and sizes_equal(ctx.shape(x)[p.dim], outs[out.dim]) and len(outs) > len(ctx.shape(x)):
-        # (.., N) viewed as (.., 1, N): one head of N, which whole heads cannot split
+            and sizes_equal(ctx.shape(x)[p.dim], outs[out.dim]) and len(outs) > len(ctx.shape(x)) \
+            and not all(getattr(u.meta.get("tp_rule"), "rule", None) in ("pointwise", "reduce") for u in node.users):
+        # (.., N) viewed as (.., 1, N): one head of N, which whole heads cannot split (one group for a norm can)
         return _fail(node, f"reshape makes 1 head of {outs[out.dim]}; one head cannot be split "
                            f"across {ctx.world_size} ranks")
     res = Result(out, [Want(x, p)])
