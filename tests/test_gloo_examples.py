@@ -157,5 +157,5 @@ def test_train_step_gradients_are_slices(gloo_results: list[dict]) -> None:
             diff = float((got - want).abs().max())
             assert diff <= TOL, f"rank {r} {name}: max |grad diff| {diff:.3g}"
             n_sliced += want.numel() < torch.Size(full_shape).numel()
-        # 6 sliced tensors per block (2 blocks) plus the tied embedding under both names
-        assert n_sliced == 6 * 2 + 2
+        # 6 sliced tensors per block (2 blocks), the tied embedding under both names, the position table
+        assert n_sliced == 6 * 2 + 3

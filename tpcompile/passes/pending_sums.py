@@ -81,8 +81,9 @@ def sum_paths(value: Node) -> tuple[str, ...]:
 
 
 def reduce_site(value: Node) -> Node:
-    """The op an all-reduce of the pending `value` is attributed to: `value`, when its module holds every summand
-    (experts summed in their MoE layer), else the first summand (token and position embeddings added at the top)."""
+    """The op an all-reduce of the pending `value` is attributed to: `value`, when a module of its own holds every
+    summand (experts summed in their MoE layer), else the first summand (token and position embeddings added at
+    the top, or in a dropout's module)."""
     where, made = module_path(value) or "", summands(value)
     inside = all((module_path(m) or "").startswith(where + ".") or module_path(m) == where for m in made)
-    return value if not where or inside else made[0]
+    return value if where and inside else made[0]
