@@ -21,26 +21,22 @@ from tpcompile.sharding_rules.rule_context import Choice
 
 def lonely_lookups(gm: GraphModule, is_user_input: Any) -> list[tuple[frozenset, Choice]]:
     """(lookups, why) for each pending sum that is reduced while made only of lookups with other indices."""
-    origins: dict[Node, frozenset] = {}  # pending value -> the ops that made its summands
-    side: set[Node] = set()  # lookups whose indices are not the user's token ids
     found: dict[frozenset, Node] = {}
     for node in gm.graph.nodes:
-        layout = node.meta.get("tp_layout")
-        if isinstance(node.meta.get("tp_placement"), Partial):
-            wants = layout.wants if layout is not None else []
-            ins = frozenset().union(*(origins.get(w.node, frozenset()) for w in wants
-                                      if isinstance(w.placement, Partial)))
-            origins[node] = ins or frozenset([node])
-            if not ins and layout is not None and layout.role == "vocab" and not is_user_input(node.args[1]):
-                side.add(node)
         for value in _reduced_inputs(node):
-            made = origins.get(value, frozenset())
-            if made and made <= side:
+            made = frozenset(summands(value))
+            if made and all(_side_lookup(m, is_user_input) for m in made):
                 found.setdefault(made, value)
     return [(made, Choice(f"{describe(value)}: reads whole the sum of {', '.join(sorted(describe(m) for m in made))}, "
                           f"looked up with indices that are not the token ids; that sum would need an all-reduce "
                           f"of its own, so the table is kept whole"))
             for made, value in found.items()]
+
+
+def _side_lookup(node: Node, is_user_input: Any) -> bool:
+    """A vocabulary lookup whose indices are not the user's token ids (positions, token types)."""
+    layout = node.meta.get("tp_layout")
+    return layout is not None and layout.role == "vocab" and not is_user_input(node.args[1])
 
 
 def _reduced_inputs(node: Node) -> list[Node]:

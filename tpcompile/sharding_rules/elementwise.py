@@ -59,31 +59,32 @@ def pointwise_inplace(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     return res
 
 
-@rule("along_dim", args={"dim_arg": int})
-def along_dim(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
-    """softmax / cumsum along one dim: fine unless that dim is the sharded one."""
+def _whole_dims(node: Node, ctx: RuleContext, reads, why) -> Result:
+    """x kept as it is unless a split dim is one of those the op reads whole (`reads(ndim)`): then whole, the
+    conflict worded by `why(placement, dims read whole)`."""
     x = node.args[0]
     p = ctx.placement(x)
     if isinstance(p, Replicate):
         return Result(REPLICATE, [Want(x, REPLICATE)])
-    dim = norm_dim(node.args[spec.get("dim_arg")], len(ctx.shape(x)))
-    if dim in split_dims(p):
-        return Result(REPLICATE, [Want(x, REPLICATE)], conflict=f"needs the whole of dim {dim}, which is sharded")
+    whole = reads(len(ctx.shape(x)))
+    if any(d in whole for d in split_dims(p)):
+        return Result(REPLICATE, [Want(x, REPLICATE)], conflict=why(p, sorted(whole)))
     return Result(p, [Want(x, p)])
+
+
+@rule("along_dim", args={"dim_arg": int})
+def along_dim(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """softmax / cumsum along one dim: fine unless that dim is the sharded one."""
+    return _whole_dims(node, ctx, lambda ndim: {norm_dim(node.args[spec.get("dim_arg")], ndim)},
+                       lambda p, dims: f"needs the whole of dim {dims[0]}, which is sharded")
 
 
 @rule("last_dims", args={"count": int})
 def last_dims(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """tril / triu: one matrix op per entry of the leading dims; fine unless a split dim is one of the last `count`."""
-    x = node.args[0]
-    p = ctx.placement(x)
-    if isinstance(p, Replicate):
-        return Result(REPLICATE, [Want(x, REPLICATE)])
-    ndim = len(ctx.shape(x))
-    if any(d >= ndim - spec.get("count") for d in split_dims(p)):
-        return Result(REPLICATE, [Want(x, REPLICATE)],
-                      conflict=f"acts on the last {spec.get('count')} dims as a whole, and {p} splits one of them")
-    return Result(p, [Want(x, p)])
+    n = spec.get("count")
+    return _whole_dims(node, ctx, lambda ndim: set(range(ndim - n, ndim)),
+                       lambda p, dims: f"acts on the last {n} dims as a whole, and {p} splits one of them")
 
 
 @rule("new_sized", args={"shape_arg": int})
