@@ -55,3 +55,108 @@ def test_depthwise_conv_over_shared_key_pieces(ws: int) -> None:
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
     report = tpcompile.check_gradients(model, sm, torch.randn(2, 7, 32))
     assert report.ok, str(report)
+
+
+class ConvKeysRelBias(nn.Module):
+    """Separate k and v projections of 2 kv heads, each through its own depthwise causal convolution (channels in
+    pieces at 4 ranks), and a relative-position bias mixed per head from the hidden states: `states @ P` with P a
+    parameter read whole, the states split by heads; the bias gathered by distance and masked."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, kv_heads: int = 2, head_dim: int = 8, rel: int = 4,
+                 extent: int = 6) -> None:
+        super().__init__()
+        self.h, self.kvh, self.hd, self.extent = heads, kv_heads, head_dim, extent
+        self.q = nn.Linear(dim, heads * head_dim, bias=False)
+        self.k = nn.Linear(dim, kv_heads * head_dim, bias=False)
+        self.v = nn.Linear(dim, kv_heads * head_dim, bias=False)
+        self.r = nn.Linear(dim, heads * rel, bias=False)
+        self.k_conv = nn.Conv1d(kv_heads * head_dim, kv_heads * head_dim, 3, groups=kv_heads * head_dim, padding=2)
+        self.v_conv = nn.Conv1d(kv_heads * head_dim, kv_heads * head_dim, 3, groups=kv_heads * head_dim, padding=2)
+        self.profiles = nn.Parameter(torch.randn(rel, extent) / rel)
+        self.o = nn.Linear(heads * head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        k = self.k_conv(self.k(x).transpose(1, 2))[..., :t].transpose(1, 2)
+        v = self.v_conv(self.v(x).transpose(1, 2))[..., :t].transpose(1, 2)
+        q = self.q(x).view(b, t, self.h, self.hd).transpose(1, 2)
+        k, v = (z.reshape(b, t, self.kvh, self.hd).transpose(1, 2).repeat_interleave(self.h // self.kvh, dim=1)
+                for z in (k, v))
+        logits = (self.r(x).view(b, t, self.h, -1) @ self.profiles).transpose(1, 2)  # (b, h, t, extent)
+        pos = torch.arange(t)
+        distance = (pos[:, None] - pos[None, :])[None, None]
+        bias = logits.gather(-1, distance.clamp(0, self.extent - 1).expand(b, self.h, -1, -1))
+        bias = bias.masked_fill((distance < 0) | (distance >= self.extent), 0.0)
+        scores = q @ k.transpose(-1, -2) / self.hd ** 0.5 + bias
+        o = torch.softmax(scores, -1) @ v
+        return self.o(o.transpose(1, 2).reshape(b, t, -1))
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_conv_over_kv_pieces_and_a_whole_weight_on_split_heads(ws: int) -> None:
+    """At 4 ranks the k and v channels are 2 pieces each shared by 2 ranks: each convolution's kernel and bias
+    are cut alike and their gradients summed over the sharing ranks; `states @ P` keeps P whole, applied to the
+    rank's heads, its gradient summed over the ranks. No warning, every projection split, one forward
+    all-reduce."""
+    torch.manual_seed(0)
+    model = ConvKeysRelBias().eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sm = tpcompile.shard(model, ws, example_inputs=(torch.randn(2, 7, 32),))
+    assert [str(w.message) for w in caught if issubclass(w.category, tpcompile.TPCompileWarning)] == []
+    assert {m: sm.plan.modules[m] for m in ("q", "k", "v", "r", "o")} == \
+        {"q": "column", "k": "column", "v": "column", "r": "column", "o": "row"}
+    assert sm.plan.parameters["k_conv.weight"].local_shape == (16 // min(ws, 2), 1, 3)
+    assert sm.plan.parameters["profiles"].local_shape == (4, 6)
+    assert [op for op, _ in sm.collectives()] == ["all_reduce"]
+    x = torch.randn(3, 9, 32)
+    with torch.no_grad():
+        ref = model(x)
+        for out in tpcompile.simulate(sm, x):
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    report = tpcompile.check_gradients(model, sm, torch.randn(2, 8, 32))
+    assert report.ok, str(report)
+
+
+class ResidualShortConv(nn.Module):
+    """Blocks whose residual stream goes through a depthwise short convolution (`h + conv(h)`) before an RMS
+    norm and an MLP; the windows of a second short convolution written out with unfold."""
+
+    def __init__(self, dim: int = 16, hidden: int = 32, width: int = 3) -> None:
+        super().__init__()
+        self.width = width
+        self.conv = nn.Conv1d(dim, dim, width, groups=dim, padding=width - 1, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.taps = nn.Parameter(torch.randn(hidden, width) / width)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        t = h.shape[1]
+        h = h + self.conv(h.transpose(1, 2))[..., :t].transpose(1, 2)
+        z = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        u = F.pad(self.up(z).transpose(1, 2), (self.width - 1, 0))  # (b, hidden, t + width - 1)
+        u = (u.unfold(-1, self.width, 1) * self.taps[:, None, :]).sum(-1)  # causal conv over the windows
+        return h + self.down(F.silu(u).transpose(1, 2))
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_depthwise_conv_on_the_residual_stream_is_kept_whole_without_a_warning(ws: int) -> None:
+    """The stream's convolution would be a column split of a whole input that the norm then reads whole: it is
+    kept whole as a choice (shown in the plan, no warning); the MLP splits through the unfolded windows."""
+    torch.manual_seed(0)
+    model = ResidualShortConv().eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sm = tpcompile.shard(model, ws, example_inputs=(torch.randn(2, 6, 16),))
+    assert [str(w.message) for w in caught if issubclass(w.category, tpcompile.TPCompileWarning)] == []
+    assert {m: sm.plan.modules[m] for m in ("conv", "up", "down")} == \
+        {"conv": "replicated", "up": "column", "down": "row"}
+    assert any("depthwise convolution fed a whole input is kept whole" in why for why in sm.plan.replicated.values())
+    assert sm.plan.parameters["taps"].local_shape == (32 // ws, 3)
+    x = torch.randn(3, 9, 16)
+    with torch.no_grad():
+        ref = model(x)
+        for out in tpcompile.simulate(sm, x):
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    report = tpcompile.check_gradients(model, sm, torch.randn(2, 8, 16))
+    assert report.ok, str(report)

@@ -16,7 +16,7 @@ from tpcompile.passes.weight_roles import mark_kept_whole
 from tpcompile.sharding_rules import RuleSpec, lookup
 from tpcompile.sharding_rules.contract_readers import index_needs
 from tpcompile.sharding_rules.experts import contraction
-from tpcompile.sharding_rules.rule_context import weight_view
+from tpcompile.sharding_rules.rule_context import param_behind, weight_view
 
 _SPLITS = {"split", "unbind"}
 _FOLLOW = {"pointwise", "reshape"}
@@ -33,9 +33,7 @@ def annotate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
         if spec is not None and spec.rule == "index":
             positions = _constant_positions(gm, node)
             node.meta["tp_rule"] = RuleSpec(spec.rule, {**spec.args, "positions": positions}) if positions else spec
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
+    for node in (n for n in gm.graph.nodes if n.op == "call_function"):
         spec = lookup(node.target)
         if spec is not None and spec.rule == "index":
             continue
@@ -85,8 +83,9 @@ _COPIES = (torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.clone.default,
 
 
 def _owner(node: Node, spec: RuleSpec, ctx: PassContext) -> Optional[str]:
-    """The module a weight op belongs to: its weight's module, or the caller's for tied weights."""
-    w, _ = weight_view(node.args[spec.get("weight", 0)])
+    """The module a weight op belongs to: its weight's (a convolution's weight may be a view), or the caller's."""
+    arg = node.args[spec.get("weight", 0)]
+    w = (param_behind(arg, 0, depth=5) or (None,))[0] if spec.rule == "weight_conv" else weight_view(arg)[0]
     if w is None or w.target not in ctx.tensors:
         return None
     tied = len(ctx.aliases(w.target)) > 1

@@ -57,7 +57,8 @@ def propagate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
         sweep = Sweep(gm, ctx)
         sweep.run()
         log.info("propagate round %d: %d conflicts", ctx.iterations, len(sweep.conflicts))
-        fresh = {o: why for origins, why in sweep.conflicts for o in origins if o not in ctx.demoted}
+        fresh = {o: _depthwise_choice(o, why) for origins, why in sweep.conflicts for o in origins
+                 if o not in ctx.demoted}
         regrouped = {o: n for origins, n in sweep.regroups for o in origins if o not in ctx.pieces}
         ctx.pieces.update(regrouped)
         if sweep.unsettled and not fresh and not regrouped:
@@ -91,6 +92,20 @@ def propagate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
             node.meta["tp_placement"] = REPLICATE if sl is None else slice_placement(sl)
     _warn(ctx)
     return gm
+
+
+def _depthwise_choice(seed: Node, why: str) -> str:
+    """`why`, as a choice (no warning) for a depthwise convolution fed a whole input: its split would only save
+    its kernel of a few values per channel, and its output (a residual stream's short convolution) is read
+    whole further on."""
+    layout, spec = seed.meta.get("tp_layout"), seed.meta.get("tp_rule")
+    w = spec.get("weight") if spec is not None and spec.rule == "weight_conv" else None
+    val = seed.args[w].meta.get("val") if w is not None and isinstance(seed.args[w], Node) else None
+    if layout is None or layout.role != "column" or val is None or val.dim() < 3 or val.shape[1] != 1 \
+            or isinstance(why, Choice):
+        return why
+    return Choice(f"{why}; a depthwise convolution fed a whole input is kept whole (its kernel is "
+                  f"{val.numel()} values)")
 
 
 def _kept_whole(seed: Node, ctx: PassContext) -> bool:

@@ -115,7 +115,9 @@ def _grouped(node: Node, spec: RuleSpec, ctx: RuleContext, tensors: list) -> Res
     channels = ctx.shape(x)[1] if ctx.shape(x) is not None and len(ctx.shape(x)) > 1 else None
     if _padded_channels(px, channels) and groups == channels:  # depthwise on zero-padded channels (Mamba's)
         return _own_groups(node, spec, ctx, src, px, "channels", Shard(1, padded=px.padded))
-    if groups == channels and _segmented_channels(px):  # depthwise over channels joined from several splits
+    if groups == channels and (_segmented_channels(px) or _pieced_channels(px)):
+        # depthwise over channels joined from several splits, or in pieces each shared by several ranks (kv heads
+        # fewer than the ranks): the kernel cut alike, its gradient summed over the ranks sharing a piece
         return _own_groups(node, spec, ctx, src, px, "channels", px)
     if not _channel_split(px):
         return Result(REPLICATE, whole, conflict=f"grouped convolution on an input split as {px}, not on its "
@@ -132,13 +134,13 @@ def _own_groups(node: Node, spec: RuleSpec, ctx: RuleContext, src: Node, px: Sha
     output's, the group count local (for a depthwise convolution over a zero-padded split or one in segments,
     one group per local channel, padding included)."""
     x, w, b = (_arg(node, spec.get(k)) for k in ("input", "weight", "bias"))
-    sl = ParamSlice(0, channels.segments, channels.padded, seg_pieces=channels.seg_pieces)
+    sl = ParamSlice(0, channels.segments, channels.padded, channels.pieces, channels.seg_pieces)
     params: dict[Node, Optional[ParamSlice]] = {src: sl}
     if isinstance(b, Node) and ctx.param(b) is not None:
         params[b] = sl
     cut = moved(channels, 0)
     wants = [Want(x, px), Want(w, cut)] + ([Want(b, cut)] if isinstance(b, Node) else [])
-    total = sum(channels.segments) if channels.segments else None
+    total = sum(channels.segments) if channels.segments else ctx.shape(x)[1] if channels.pieces else None
     local = ("split", spec.get("groups_arg"), None, None) if channels.plain else \
         ("set", spec.get("groups_arg"), dim_layout(channels, total, ctx.world_size).local_size(0), None)
     return Result(channels, wants, role=role, params=params, localize=[local])
@@ -149,3 +151,9 @@ def _segmented_channels(p: Any) -> bool:
     return isinstance(p, Shard) and p.dim == 1 and p.segments is not None and not p.seq and p.pieces is None \
         and p.outer is None and p.split_next is None \
         and (p.padded is None or isinstance(p.padded, tuple))
+
+
+def _pieced_channels(p: Any) -> bool:
+    """Channels (dim 1) in fewer pieces than ranks, each held whole by the ranks sharing it: k of kv heads at 4 ranks."""
+    return isinstance(p, Shard) and p.dim == 1 and p.pieces is not None and p.segments is None and not p.seq \
+        and p.outer is None and p.split_next is None and p.padded is None

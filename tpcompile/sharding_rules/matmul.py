@@ -80,8 +80,20 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         # the bias is added once, after the reduce; on token-split output its gradient is partial
         bias = [ctx.replicated_want(b, out)] if isinstance(b, Node) else []
         return Result(out, [Want(x, px)] + bias, role="row", params=params)
+    if _batch_split(px, xshape, b):
+        # split on a dim the weight does not touch (heads of `states @ W`): each rank applies the whole weight
+        # to its rows; the weight's gradient is a summand on each rank, summed over them
+        return Result(px, [Want(x, px), ctx.replicated_want(w, px)], params=params,
+                      note="whole weight applied to the rank's rows of an input split on a leading dim")
     return Result(REPLICATE, [Want(x, REPLICATE)], params=params,
                   conflict=f"input is sharded on dim {px.dim}, not on the contracted dim")
+
+
+def _batch_split(px: Any, xshape: Any, bias: Any) -> bool:
+    """An input split (plainly, or zero-padded when no bias makes the padding non-zero) on a leading dim of x @ W."""
+    return isinstance(px, Shard) and xshape is not None and px.dim < len(xshape) - 1 and not px.seq \
+        and px.segments is None and px.pieces is None and px.outer is None and px.seg_pieces is None \
+        and (px.padded is None or not isinstance(bias, Node))
 
 
 def _unit(size: int, d: Optional[int]) -> int:
