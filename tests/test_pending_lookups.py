@@ -124,3 +124,36 @@ def test_sequence_parallel_splits_only_the_token_table() -> None:
         ref = model(x)
         for out in tpcompile.simulate(sm, x):
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+class TimeMajor(nn.Module):
+    """Token ids laid out (T, B) by a transpose before the lookup (XLNet's), a norm, an MLP and a head."""
+
+    def __init__(self, vocab: int = 40, dim: int = 16) -> None:
+        super().__init__()
+        self.tokens, self.norm = nn.Embedding(vocab, dim), nn.LayerNorm(dim)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.norm(self.tokens(ids.transpose(0, 1).contiguous()))  # (T, B, dim)
+        x = x + self.down(torch.relu(self.up(x)))
+        return self.head(x.transpose(0, 1))
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_transposed_token_ids_are_still_the_token_ids(ws: int) -> None:
+    """A transpose of the user's token ids is not another index: the table splits by rows, no warning."""
+    torch.manual_seed(0)
+    model = TimeMajor().eval()
+    sm, texts = _shard(model, ws, torch.randint(0, 40, (2, 8)))
+    assert texts == []
+    assert sm.plan.parameters["tokens.weight"].dim == 0
+    x = torch.randint(0, 40, (3, 11))
+    with torch.no_grad():
+        ref = model(x)
+        for out in tpcompile.simulate(sm, x):
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    assert _forward_collectives(sm, x) == ["all_reduce", "all_reduce", "all_gather_replicated"]
+    report = tpcompile.check_gradients(model, sm, x)
+    assert report.ok, str(report)

@@ -84,7 +84,8 @@ class Sweep:
                 node.meta["tp_layout"] = Layout()
             else:
                 self.visit(node)
-        self.conflicts += lonely_lookups(self.gm, _is_user_input)
+        # token ids laid out (T, B) by a transpose (XLNet's) are the token ids still
+        self.conflicts += lonely_lookups(self.gm, lambda n: _is_user_input(n, _INPUT_LIKE + ("transpose", "permute")))
         self.settle_parameters()
 
     def read_parameter(self, node: Node) -> None:
@@ -271,13 +272,13 @@ def _sharded(p: Any) -> bool:
     return isinstance(p, Shard) or (isinstance(p, tuple) and any(isinstance(q, Shard) for q in p))
 
 
-def _is_user_input(node: Node) -> bool:
+def _is_user_input(node: Node, through: tuple = _INPUT_LIKE) -> bool:
     """A model input, possibly reshaped or converted (token ids reaching an embedding)."""
     for _ in range(8):
         if node.op == "placeholder":
             return True
         spec = node.meta.get("tp_rule")
-        if node.op != "call_function" or spec is None or spec.rule not in _INPUT_LIKE:
+        if node.op != "call_function" or spec is None or spec.rule not in through:
             return False
         if not isinstance(node.args[0], Node):
             return False
