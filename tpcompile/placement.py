@@ -139,10 +139,16 @@ def padded_segment_runs(segments: Sequence[int], padded: Sequence[int], rank: in
 
 
 def cut_from_shared(have: object, want: object) -> bool:
-    """True when `want`, one zero-padded split, is cut locally from `have`, a value every rank holds whole as one
-    shared piece (`Shard(d, pieces=1)`: multi-query's kv head repeated over the query heads)."""
-    return (isinstance(have, Shard) and have.pieces == 1 and isinstance(want, Shard) and want.plain_padded
-            and want.dim == have.dim)
+    """True when `want` is cut locally from `have`, a value in pieces each shared by several ranks: from one piece
+    every rank holds whole (`Shard(d, pieces=1)`: multi-query's kv head repeated over the query heads), a
+    zero-padded split; from g pieces (k heads repeated over 4 v heads at 4 ranks: 2 pieces), an even split,
+    rank r's block lying in its piece."""
+    if not isinstance(have, Shard) or not isinstance(want, Shard) or want.dim != have.dim or not have.pieces:
+        return False
+    if have.pieces == 1:
+        return want.plain_padded
+    return want.plain and have.segments is None and have.split_next is None and have.outer is None \
+        and have.padded is None and not have.seq
 
 
 def is_seq(p: object) -> bool:

@@ -21,7 +21,7 @@ from tpcompile.passes.rewrite_slices import gather_tokens, local_slice, reduce_s
 from tpcompile.passes.rewrite_stats import emit_stats, is_stats
 from tpcompile.placement import (REPLICATE, Partial, Replicate, Shard, cut_from_shared, is_seq, local_shape,
                                  local_sizes, padded_local, shape_key, slice_shape)
-from tpcompile.sharding_rules.rule_context import Want, weight_view
+from tpcompile.sharding_rules.rule_context import Want, param_behind, weight_view
 
 aten = torch.ops.aten
 tp = torch.ops.tpcompile
@@ -80,7 +80,8 @@ class _Emitter:
         if shared or isinstance(have, Replicate) and isinstance(w.placement, Shard) and not w.placement.plain:
             key = ("slice", w.node, w.placement)  # segments, pieces, batch x heads: this rank's runs, no communication
             if key not in self.cache:
-                self.cache[key] = local_slice(self, src, w.node, w.placement, sync=not shared)
+                self.cache[key] = local_slice(self, src, w.node, w.placement, sync=not shared,
+                                              piece=have if shared and have.pieces > 1 else None)
             return self.cache[key]
         if isinstance(have, Replicate) and isinstance(w.placement, Shard):
             return self._once(("scatter", w.node, w.placement.dim), tp.scatter.default,
@@ -186,11 +187,13 @@ def _piece_params(em: _Emitter, node: Node) -> dict[Node, Node]:
     out = {}
     for arg in node.all_input_nodes:
         p, transposed = weight_view(arg)
+        behind = param_behind(arg, 0, depth=5) if p is None else None  # a kernel viewed as `w.squeeze(1)`
+        at, p = (arg, behind[0]) if behind is not None and behind[1] == 0 else (p, p)  # summed at the view's dim 0
         sl = em.ctx.slice_for(p.target) if p is not None else None
         if sl is not None and (sl.pieces or sl.seg_pieces):
-            if ("pieces", p) not in em.cache:
-                em.cache[("pieces", p)] = _summed_pieces(em, em.env[p], sl)
-            summed = em.cache[("pieces", p)]
+            if ("pieces", at) not in em.cache:
+                em.cache[("pieces", at)] = _summed_pieces(em, em.env[at], sl)
+            summed = em.cache[("pieces", at)]
             # a weight read through a transpose: the transpose again, of the summed piece
             out[arg] = em.call(arg.target, summed, *arg.args[1:]) if transposed else summed
     return out

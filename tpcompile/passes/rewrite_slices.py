@@ -14,7 +14,7 @@ B repetitions of T tokens, each split. Its gathers and reduce-scatters run on th
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import sympy
 import torch
@@ -27,12 +27,16 @@ aten = torch.ops.aten
 tp = torch.ops.tpcompile
 
 
-def local_slice(em: Any, src: Node, node: Node, p: Shard, sync: bool = True) -> Node:
-    """Rank em.rank's part, split as `p`, of the whole value `src` (the rank graph's value of `node`).
+def local_slice(em: Any, src: Node, node: Node, p: Shard, sync: bool = True, piece: Optional[Shard] = None) -> Node:
+    """Rank em.rank's part, split as `p`, of the whole value `src` (the rank graph's value of `node`), or, with
+    `piece` (the value in fewer pieces than ranks), of the rank's piece `src`.
 
-    sync=False for a value each rank holds whole whose gradient is summed over the ranks where it is made
+    sync=False for a value held in shared pieces whose gradient is summed over the ranks where it is made
     (one piece shared by every rank: multi-query's kv heads, `Shard(pieces=1)`): no grad_all_reduce here."""
     val = node.meta["val"]
+    if piece is not None:  # rank r's even block lies in its piece, at its place among the ranks sharing it
+        n = int(to_size(val.shape[p.dim])) // em.ws
+        return em.call(aten.narrow.default, src, p.dim, em.rank % (em.ws // piece.pieces) * n, n)
     if p.seq and p.outer is not None:  # tokens of every sequence: tpcompile.scatter on the (B, T, ...) view
         x = em.call(tp.scatter.default, unflat_tokens(em, src, p), p.dim + 1, em.ctx.group)
         return em.call(aten.flatten.using_ints, x, p.dim, p.dim + 1)

@@ -19,7 +19,7 @@ from tpcompile.passes.pending_sums import lonely_lookups
 from tpcompile.passes.region_bodies import place_body
 from tpcompile.placement import REPLICATE, ParamSlice, Shard, is_seq, slice_placement
 from tpcompile.sharding_rules.partial import partial_result
-from tpcompile.sharding_rules.rule_context import Choice, Result, RuleContext, Want, keeps_entries, weight_view
+from tpcompile.sharding_rules.rule_context import Choice, Result, RuleContext, Want, keeps_entries, param_view_chain, weight_view
 
 SEED_RULES = ("weight_matmul", "weight_conv", "embedding", "weight_contract")  # the ops that hold the weights a split starts from
 WRITE_RULES = ("write_into",)  # in-place writes into a buffer, which they cut like the value written
@@ -263,6 +263,7 @@ def weight_args(node: Node) -> set:
               for n in (spec.get(k).param, *spec.get(k).nodes)}
     positions = [spec.get("weight"), spec.get("bias")] if spec.rule in ("weight_matmul", "weight_conv") else [0]
     args = [node.args[i] for i in positions if i is not None and i < len(node.args)]
+    pieces |= {n for a in args for n in param_view_chain(a)} if spec.rule == "weight_conv" else set()  # w.squeeze(1)
     return pieces | {w for w in (weight_view(a)[0] for a in args) if w is not None} | \
         {a for a in args if isinstance(a, Node) and a.op == "call_function" and weight_view(a)[0] is not None}
 
@@ -316,3 +317,4 @@ def _requires_grad(node: Node, ctx: PassContext, grad: dict[Node, bool]) -> bool
     if node.op == "placeholder":
         return True
     return any(grad.get(i, False) for i in node.all_input_nodes)
+

@@ -5,7 +5,7 @@ from typing import Any
 
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Replicate, Shard, moved, split_dims
+from tpcompile.placement import REPLICATE, Replicate, Shard, cut_from_shared, moved, split_dims
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim, sizes_equal
 from tpcompile.sharding_rules.table import RuleSpec
@@ -30,15 +30,17 @@ def pointwise(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         p = ctx.placement(n)
         if isinstance(p, Shard):
             targets.add(moved(p, p.dim + nout - len(ctx.shape(n))))
-    if len(targets) > 1:
+    even = [t for t in targets if t.plain]  # operands in shared pieces are cut locally to an even split's blocks
+    if len(targets) > 1 and not (len(even) == 1 and all(t == even[0] or cut_from_shared(t, even[0]) for t in targets)):
         return Result(REPLICATE, [Want(n, REPLICATE) for n in inputs],
                       conflict=f"operands sharded differently ({', '.join(map(str, targets))})")
-    target = targets.pop()
+    target = even[0] if len(targets) > 1 else targets.pop()
     wants = []
     for n in inputs:
         p, shape = ctx.placement(n), ctx.shape(n)
         if isinstance(p, Shard):
-            wants.append(Want(n, p))
+            wants.append(Want(n, moved(target, p.dim) if p != moved(target, p.dim) and cut_from_shared(
+                p, moved(target, p.dim)) else p))
             continue
         d = target.dim - (nout - len(shape))
         if d >= 0 and shape[d] != 1:

@@ -38,22 +38,27 @@ def cat(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
 def _segments_of(tensors: list, dim: int, ctx: RuleContext) -> Optional[Shard]:
     """cat along the dim every operand is split on (q, k and v projected apart, then joined for one convolution, as
     linear-attention layers do): rank r's blocks joined are its part of a split in segments, the operands' sizes (their
-    own segments and zero padding carried over). None when an operand is whole or split otherwise."""
+    own segments and zero padding carried over; an operand in fewer pieces than ranks, k of 2 kv heads at 4 ranks,
+    a segment in as many pieces). None when an operand is whole or split otherwise."""
     segs: list = []
     pads: list = []
+    pieces: list = []  # per segment, its pieces: the world size, or fewer (k of kv heads fewer than the ranks)
     for t in tensors:
         p, size = ctx.placement(t), ctx.shape(t)[dim]
         if not isinstance(p, Shard) or p.dim != dim or p.seq or not isinstance(size, int) or \
-                p.pieces is not None or p.seg_pieces is not None or p.outer is not None or p.split_next is not None:
+                p.seg_pieces is not None or p.outer is not None or p.split_next is not None or \
+                (p.pieces is not None and (p.segments is not None or p.padded is not None)):
             return None
         own = list(p.segments) if p.segments else [size]
         segs += own
         pads += list(padding_sizes(p.padded)) if p.padded is not None else own
+        pieces += [p.pieces or ctx.world_size] * len(own)
         if p.padded is not None and not isinstance(p.padded, tuple) and len(own) != 1:
             return None
     if len(segs) < 2:
         return None
-    return Shard(dim, tuple(segs), padded=None if pads == segs else tuple(pads))
+    seg_pieces = tuple(pieces) if any(g < ctx.world_size for g in pieces) else None
+    return Shard(dim, tuple(segs), padded=None if pads == segs else tuple(pads), seg_pieces=seg_pieces)
 
 
 def _skipped(shape: object) -> bool:

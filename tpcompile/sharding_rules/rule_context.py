@@ -218,6 +218,14 @@ def param_behind(node: Any, d: int, sole: bool = False, depth: int = 8) -> Optio
     return None
 
 
+def param_view_chain(node: Any) -> list:
+    """The nodes from `node` back to the parameter it views (param_behind), the parameter included, else none."""
+    found, chain = param_behind(node, 0, depth=5), [node]
+    while found is not None and chain[-1] is not found[0]:
+        chain.append(chain[-1].args[0])
+    return chain if found is not None else []
+
+
 def flat_tokens(node: Node, shape: Sequence[Size]) -> Optional[Size]:
     """The batch size B when a 2-D value's first dim is a model input's batch x tokens, (B*T, C) (GPT-2's Conv1D
     and OPT flatten the tokens before a projection), else None."""
