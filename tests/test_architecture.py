@@ -130,3 +130,40 @@ def test_ops_doc_is_current(update_golden: bool) -> None:
         doc.write_text(text)
     assert doc.read_text() == text, "docs/ops.md is stale: python -m tpcompile.report.op_table > docs/ops.md"
     assert "| `aten.linear.default` | weight_matmul |" in text
+
+
+def _package(path: Path) -> str:
+    """'checkpoint' for tpcompile/checkpoint/dcp.py; '' for a module at the top level (api.py)."""
+    parts = path.relative_to(ROOT).parts
+    return parts[0] if len(parts) > 1 else ""
+
+
+def _private_reads(sources: dict[Path, str]) -> list[str]:
+    """`obj._name` read in one package where `_name` is an attribute only another package's classes set
+    (`self._name = ...`): a neighbour reaching into another's state instead of its public surface."""
+    trees = {p: ast.parse(text) for p, text in sources.items()}
+    owners: dict[str, set[str]] = {}
+    for path, tree in trees.items():
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name) \
+                    and n.value.id == "self" and n.attr.startswith("_") and not n.attr.startswith("__"):
+                owners.setdefault(n.attr, set()).add(_package(path))
+    found = []
+    for path, tree in trees.items():
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Attribute) and n.attr in owners and _package(path) not in owners[n.attr] \
+                    and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")):
+                found.append(f"{path.relative_to(ROOT)}:{n.lineno} reads .{n.attr} (set in "
+                             f"{', '.join(sorted(o or 'the top level' for o in owners[n.attr]))})")
+    return found
+
+
+def test_no_package_reads_another_packages_private_state() -> None:
+    """checkpoint/, hybrid/, generate/ and strategy/ use ShardedModel's public surface, not `sm._ctx`."""
+    assert _private_reads({p: p.read_text() for p in ROOT.rglob("*.py")}) == []
+
+
+def test_private_read_finder_finds_them() -> None:
+    sources = {ROOT / "api.py": "class S:\n    def __init__(self):\n        self._ctx = 1\n",
+               ROOT / "hybrid" / "x.py": "def f(sm):\n    return sm._ctx\n"}
+    assert _private_reads(sources) == ["hybrid/x.py:2 reads ._ctx (set in the top level)"]
