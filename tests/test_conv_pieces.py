@@ -36,25 +36,35 @@ class ShortConvHeads(nn.Module):
         return self.out(o.transpose(1, 2).reshape(b, t, -1))
 
 
-@pytest.mark.parametrize("ws", [2, 4])
-def test_depthwise_conv_over_shared_key_pieces(ws: int) -> None:
-    torch.manual_seed(0)
-    model = ShortConvHeads().eval()
+def _shard_quietly(model: nn.Module, ws: int, example: torch.Tensor) -> tpcompile.ShardedModel:
+    """`shard`, asserting it warns of nothing."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        sm = tpcompile.shard(model, ws, example_inputs=(torch.randn(2, 6, 32),))
+        sm = tpcompile.shard(model, ws, example_inputs=(example,))
     assert [str(w.message) for w in caught if issubclass(w.category, tpcompile.TPCompileWarning)] == []
-    # q and k: 2 heads of 8 channels each over ws ranks (pieces of a head's group when ws > 2); v: 32 / ws
-    local = 2 * 16 // min(ws, 2) + 32 // ws
-    assert sm.plan.parameters["conv.weight"].local_shape == (local, 1, 4)
-    assert sm.plan.parameters["in_proj.weight"].local_shape == (local, 32)
-    x = torch.randn(3, 9, 32)
+    return sm
+
+
+def _equal_with_gradients(model: nn.Module, sm: tpcompile.ShardedModel, x: torch.Tensor, grad_x: torch.Tensor) -> None:
+    """Every rank's output equal to the original's on `x`; gradients equal on `grad_x`."""
     with torch.no_grad():
         ref = model(x)
         for out in tpcompile.simulate(sm, x):
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
-    report = tpcompile.check_gradients(model, sm, torch.randn(2, 7, 32))
+    report = tpcompile.check_gradients(model, sm, grad_x)
     assert report.ok, str(report)
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_depthwise_conv_over_shared_key_pieces(ws: int) -> None:
+    torch.manual_seed(0)
+    model = ShortConvHeads().eval()
+    sm = _shard_quietly(model, ws, torch.randn(2, 6, 32))
+    # q and k: 2 heads of 8 channels each over ws ranks (pieces of a head's group when ws > 2); v: 32 / ws
+    local = 2 * 16 // min(ws, 2) + 32 // ws
+    assert sm.plan.parameters["conv.weight"].local_shape == (local, 1, 4)
+    assert sm.plan.parameters["in_proj.weight"].local_shape == (local, 32)
+    _equal_with_gradients(model, sm, torch.randn(3, 9, 32), torch.randn(2, 7, 32))
 
 
 class ConvKeysRelBias(nn.Module):
@@ -100,22 +110,13 @@ def test_conv_over_kv_pieces_and_a_whole_weight_on_split_heads(ws: int) -> None:
     all-reduce."""
     torch.manual_seed(0)
     model = ConvKeysRelBias().eval()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        sm = tpcompile.shard(model, ws, example_inputs=(torch.randn(2, 7, 32),))
-    assert [str(w.message) for w in caught if issubclass(w.category, tpcompile.TPCompileWarning)] == []
+    sm = _shard_quietly(model, ws, torch.randn(2, 7, 32))
     assert {m: sm.plan.modules[m] for m in ("q", "k", "v", "r", "o")} == \
         {"q": "column", "k": "column", "v": "column", "r": "column", "o": "row"}
     assert sm.plan.parameters["k_conv.weight"].local_shape == (16 // min(ws, 2), 1, 3)
     assert sm.plan.parameters["profiles"].local_shape == (4, 6)
     assert [op for op, _ in sm.collectives()] == ["all_reduce"]
-    x = torch.randn(3, 9, 32)
-    with torch.no_grad():
-        ref = model(x)
-        for out in tpcompile.simulate(sm, x):
-            torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
-    report = tpcompile.check_gradients(model, sm, torch.randn(2, 8, 32))
-    assert report.ok, str(report)
+    _equal_with_gradients(model, sm, torch.randn(3, 9, 32), torch.randn(2, 8, 32))
 
 
 class ResidualShortConv(nn.Module):
@@ -145,18 +146,9 @@ def test_depthwise_conv_on_the_residual_stream_is_kept_whole_without_a_warning(w
     kept whole as a choice (shown in the plan, no warning); the MLP splits through the unfolded windows."""
     torch.manual_seed(0)
     model = ResidualShortConv().eval()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        sm = tpcompile.shard(model, ws, example_inputs=(torch.randn(2, 6, 16),))
-    assert [str(w.message) for w in caught if issubclass(w.category, tpcompile.TPCompileWarning)] == []
+    sm = _shard_quietly(model, ws, torch.randn(2, 6, 16))
     assert {m: sm.plan.modules[m] for m in ("conv", "up", "down")} == \
         {"conv": "replicated", "up": "column", "down": "row"}
     assert any("depthwise convolution fed a whole input is kept whole" in why for why in sm.plan.replicated.values())
     assert sm.plan.parameters["taps"].local_shape == (32 // ws, 3)
-    x = torch.randn(3, 9, 16)
-    with torch.no_grad():
-        ref = model(x)
-        for out in tpcompile.simulate(sm, x):
-            torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
-    report = tpcompile.check_gradients(model, sm, torch.randn(2, 8, 16))
-    assert report.ok, str(report)
+    _equal_with_gradients(model, sm, torch.randn(3, 9, 16), torch.randn(2, 8, 16))

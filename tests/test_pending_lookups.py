@@ -58,6 +58,14 @@ def _shard(model: nn.Module, ws: int, example: torch.Tensor, **kw) -> tuple[tpco
     return sm, [str(w.message) for w in caught if issubclass(w.category, tpcompile.TPCompileWarning)]
 
 
+def _equal(sm: tpcompile.ShardedModel, model: nn.Module, x: torch.Tensor) -> None:
+    """Every rank's output equal to the original's on `x`."""
+    with torch.no_grad():
+        ref = model(x)
+        for out in tpcompile.simulate(sm, x):
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
 def _forward_collectives(sm: tpcompile.ShardedModel, x: torch.Tensor) -> list[str]:
     with torch.no_grad(), C.record() as events:
         tpcompile.simulate(sm, x)
@@ -74,10 +82,7 @@ def test_position_and_type_tables_split_with_the_token_embeddings(ws: int) -> No
         pp = sm.plan.parameters[name]
         assert pp.dim == 0 and pp.local_shape[0] == -(-rows // ws), (name, pp)  # rows padded to a multiple of ws
     x = torch.randint(0, 40, (3, 11))
-    with torch.no_grad():
-        ref = model(x)
-        for out in tpcompile.simulate(sm, x):
-            torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    _equal(sm, model, x)
     # the three lookups' sums, one all-reduce; the MLP's row split one more; the head's gather
     assert _forward_collectives(sm, x) == ["all_reduce", "all_reduce", "all_gather_replicated"]
     report = tpcompile.check_gradients(model, sm, x)
@@ -94,10 +99,7 @@ def test_bias_table_added_to_split_scores_stays_whole() -> None:
     assert sm.plan.parameters["qkv.weight"].dim == 0  # the attention itself stays split by heads
     assert any("all-reduce of its own" in why for why in sm.plan.replicated.values()), sm.plan.replicated
     x = torch.randn(3, 9, 16)
-    with torch.no_grad():
-        ref = model(x)
-        for out in tpcompile.simulate(sm, x):
-            torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    _equal(sm, model, x)
     assert _forward_collectives(sm, x) == ["all_reduce"]
 
 
@@ -120,10 +122,7 @@ def test_sequence_parallel_splits_only_the_token_table() -> None:
     assert sm.plan.parameters["tokens.weight"].dim == 0
     assert sm.plan.parameters["positions.weight"].dim is None and sm.plan.parameters["types.weight"].dim is None
     x = torch.randint(0, 40, (3, 8))
-    with torch.no_grad():
-        ref = model(x)
-        for out in tpcompile.simulate(sm, x):
-            torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    _equal(sm, model, x)
 
 
 class TimeMajor(nn.Module):
@@ -150,10 +149,7 @@ def test_transposed_token_ids_are_still_the_token_ids(ws: int) -> None:
     assert texts == []
     assert sm.plan.parameters["tokens.weight"].dim == 0
     x = torch.randint(0, 40, (3, 11))
-    with torch.no_grad():
-        ref = model(x)
-        for out in tpcompile.simulate(sm, x):
-            torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    _equal(sm, model, x)
     assert _forward_collectives(sm, x) == ["all_reduce", "all_reduce", "all_gather_replicated"]
     report = tpcompile.check_gradients(model, sm, x)
     assert report.ok, str(report)

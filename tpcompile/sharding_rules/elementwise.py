@@ -39,8 +39,7 @@ def pointwise(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     for n in inputs:
         p, shape = ctx.placement(n), ctx.shape(n)
         if isinstance(p, Shard):
-            wants.append(Want(n, moved(target, p.dim) if p != moved(target, p.dim) and cut_from_shared(
-                p, moved(target, p.dim)) else p))
+            wants.append(Want(n, moved(target, p.dim)))  # itself, or the even blocks cut from its pieces
             continue
         d = target.dim - (nout - len(shape))
         if d >= 0 and shape[d] != 1:
