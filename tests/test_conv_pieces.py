@@ -152,3 +152,50 @@ def test_depthwise_conv_on_the_residual_stream_is_kept_whole_without_a_warning(w
     assert any("depthwise convolution fed a whole input is kept whole" in why for why in sm.plan.replicated.values())
     assert sm.plan.parameters["taps"].local_shape == (32 // ws, 3)
     _equal_with_gradients(model, sm, torch.randn(3, 9, 16), torch.randn(2, 8, 16))
+
+
+class HeadConvQK(nn.Module):
+    """q and k projected apart (4 query heads, `kv_heads` key heads), joined for one causal convolution grouped by
+    head (one group of `head_dim` channels per head: it mixes channels within a head, across time), split again
+    and added to the projections (a residual per head, as compressed convolutional attention has) for
+    grouped-query attention."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, kv_heads: int = 2, head_dim: int = 8) -> None:
+        super().__init__()
+        self.h, self.kvh, self.hd = heads, kv_heads, head_dim
+        channels = (heads + kv_heads) * head_dim
+        self.q = nn.Linear(dim, heads * head_dim, bias=False)
+        self.k = nn.Linear(dim, kv_heads * head_dim, bias=False)
+        self.v = nn.Linear(dim, kv_heads * head_dim, bias=False)
+        self.conv = nn.Conv1d(channels, channels, 2, groups=heads + kv_heads, padding=1)
+        self.o = nn.Linear(heads * head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k = self.q(x).view(b, t, self.h, self.hd), self.k(x).view(b, t, self.kvh, self.hd)
+        qk = torch.cat([q.flatten(2), k.flatten(2)], dim=-1).transpose(1, 2)
+        qk = self.conv(qk)[..., :t].transpose(1, 2)
+        cq, ck = qk.split([self.h * self.hd, self.kvh * self.hd], dim=-1)
+        q = (q + cq.view(b, t, self.h, self.hd)).transpose(1, 2)
+        k, v = ((z.view(b, t, self.kvh, self.hd) + r).transpose(1, 2).repeat_interleave(self.h // self.kvh, dim=1)
+                for z, r in ((ck, k), (self.v(x), 0)))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(o.transpose(1, 2).reshape(b, t, -1))
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_head_grouped_conv_over_query_heads_and_key_pieces(ws: int) -> None:
+    """A convolution of one group per head over q|k: every rank's block of each segment is whole heads (at 4
+    ranks the 2 key heads are pieces shared by 2 ranks), so each rank convolves its own heads with its cut of the
+    kernel (the group count made local), the kernel's gradient summed over the ranks sharing a key head. No
+    warning, every projection split, one forward all-reduce."""
+    torch.manual_seed(0)
+    model = HeadConvQK().eval()
+    sm = _shard_quietly(model, ws, torch.randn(2, 7, 32))
+    assert {m: sm.plan.modules[m] for m in ("q", "k", "v", "o")} == \
+        {"q": "column", "k": "column", "v": "column", "o": "row"}
+    local = 32 // ws + 16 // min(ws, 2)  # the rank's query heads and its key head(s), 8 channels each
+    assert sm.plan.parameters["conv.weight"].local_shape == (local, 8, 2)
+    assert sm.plan.parameters["conv.bias"].local_shape == (local,)
+    assert [op for op, _ in sm.collectives()] == ["all_reduce"]
+    _equal_with_gradients(model, sm, torch.randn(3, 9, 32), torch.randn(2, 8, 32))

@@ -14,7 +14,10 @@ A grouped convolution (depthwise: one group per channel, as Mamba's short causal
 whole groups per rank: on an input split by channels into whole groups per rank, its own groups, with
 no communication; on a whole input, the channels of its own groups (a local slice, a column split). The
 weight's dim 0 and the bias are cut alike, the output is split on its channels and the group count is
-made local. Its weight may be a view of the parameter (`w.squeeze(1).unsqueeze(1)`).
+made local. Its weight may be a view of the parameter (`w.squeeze(1).unsqueeze(1)`). Channels joined in segments
+(q|k) or held in pieces shared by several ranks (kv heads fewer than the ranks) are convolved the same way when
+every rank's block of every segment is whole groups: a depthwise convolution always, one group per head when the
+blocks are whole heads (the kernel's gradient summed over the ranks sharing a piece, passes/rewrite.py).
 A transposed convolution (`conv_transpose*d`, `convolution(..., transposed=True)`) holds its weight as
 (in, out / groups, *kernel): the column split cuts its dim 1, the row split its dim 0.
 """
@@ -119,6 +122,10 @@ def _grouped(node: Node, spec: RuleSpec, ctx: RuleContext, tensors: list) -> Res
         # depthwise over channels joined from several splits, or in pieces each shared by several ranks (kv heads
         # fewer than the ranks): the kernel cut alike, its gradient summed over the ranks sharing a piece
         return _own_groups(node, spec, ctx, src, px, "channels", px)
+    if (_segmented_channels(px) or _pieced_channels(px)) and _whole_groups(ctx, node, spec, px, channels, groups):
+        # groups of several channels (one per head) over channels joined from several splits or in shared pieces:
+        # every piece is whole groups, so each rank convolves its own, the kernel cut alike
+        return _own_groups(node, spec, ctx, src, px, "channels", px, group=channels // groups)
     if not _channel_split(px):
         return Result(REPLICATE, whole, conflict=f"grouped convolution on an input split as {px}, not on its "
                                                  f"channels (dim 1)")
@@ -129,10 +136,10 @@ def _grouped(node: Node, spec: RuleSpec, ctx: RuleContext, tensors: list) -> Res
 
 
 def _own_groups(node: Node, spec: RuleSpec, ctx: RuleContext, src: Node, px: Shard, role: str,
-                channels: Shard = Shard(1)) -> Result:
+                channels: Shard = Shard(1), group: int = 1) -> Result:
     """The rank's whole groups: input channels, weight and bias cut alike on dim 0 as `channels` lays out the
-    output's, the group count local (for a depthwise convolution over a zero-padded split or one in segments,
-    one group per local channel, padding included)."""
+    output's, the group count local (over a zero-padded split or one in segments or pieces, the local channels
+    over `group` channels a group: one group per local channel for a depthwise convolution, padding included)."""
     x, w, b = (_arg(node, spec.get(k)) for k in ("input", "weight", "bias"))
     sl = ParamSlice(0, channels.segments, channels.padded, channels.pieces, channels.seg_pieces)
     params: dict[Node, Optional[ParamSlice]] = {src: sl}
@@ -142,7 +149,7 @@ def _own_groups(node: Node, spec: RuleSpec, ctx: RuleContext, src: Node, px: Sha
     wants = [Want(x, px), Want(w, cut)] + ([Want(b, cut)] if isinstance(b, Node) else [])
     total = sum(channels.segments) if channels.segments else ctx.shape(x)[1] if channels.pieces else None
     local = ("split", spec.get("groups_arg"), None, None) if channels.plain else \
-        ("set", spec.get("groups_arg"), dim_layout(channels, total, ctx.world_size).local_size(0), None)
+        ("set", spec.get("groups_arg"), dim_layout(channels, total, ctx.world_size).local_size(0) // group, None)
     return Result(channels, wants, role=role, params=params, localize=[local])
 
 
@@ -157,3 +164,15 @@ def _pieced_channels(p: Any) -> bool:
     """Channels (dim 1) in fewer pieces than ranks, each held whole by the ranks sharing it: k of kv heads at 4 ranks."""
     return isinstance(p, Shard) and p.dim == 1 and p.pieces is not None and p.segments is None and not p.seq \
         and p.outer is None and p.split_next is None and p.padded is None
+
+
+def _whole_groups(ctx: RuleContext, node: Node, spec: RuleSpec, px: Shard, channels: Any, groups: int) -> bool:
+    """Every rank's block of every segment is whole groups of `channels // groups` channels, and the output has the
+    input's channels (as many out as in per group), so the output is laid out as the input is."""
+    if not isinstance(channels, int) or groups <= 1 or channels % groups:
+        return False
+    shape = ctx.shape(_arg(node, spec.get("weight")))
+    out = None if shape is None else shape[1] * groups if _transposed(node, spec) else shape[0]
+    size = channels // groups
+    layout = dim_layout(px, channels, ctx.world_size)
+    return out == channels and all(c % size == 0 for seg in layout.segments for c in (seg.size, *seg.cuts))
