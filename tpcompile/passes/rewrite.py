@@ -9,16 +9,16 @@ from torch import fx
 from torch.fx import GraphModule, Node
 
 import tpcompile.ops  # noqa: F401  (registers torch.ops.tpcompile.* and tpcompile_rng.*)
-from tpcompile.ops.guards import check_token_ids
 from tpcompile.ops.schedule import collective_name
-from tpcompile.passes.pass_context import PassContext, describe, internal_error
+from tpcompile.passes.pass_context import PassContext, internal_error
 from tpcompile.passes.pending_sums import reduce_site, sum_paths
 from tpcompile.passes.rank_module import build_rank_module
 from tpcompile.passes.rewrite_dropout import (emit_dropout, emit_sdpa_with_dropout, is_idle_dropout, is_live_dropout,
                                              sdpa_dropout)
 from tpcompile.passes.rewrite_regions import emit_region, is_region
-from tpcompile.passes.rewrite_slices import gather_tokens, local_slice, reduce_scatter_tokens, size_node
+from tpcompile.passes.rewrite_slices import gather_tokens, local_slice, reduce_partial, size_node
 from tpcompile.passes.rewrite_stats import emit_stats, is_stats
+from tpcompile.passes.rewrite_tables import emit_owned, emit_vocab
 from tpcompile.placement import (REPLICATE, Partial, Replicate, Shard, cut_from_shared, is_seq, local_shape,
                                  local_sizes, padded_local, shape_key, slice_shape)
 from tpcompile.sharding_rules.rule_context import Want, param_behind, weight_view
@@ -150,7 +150,8 @@ def _emit_copy(em: "_Emitter", node: Node, lookup: Lookup) -> Node:
 # What happens to each call_function node, first match wins: (matches, emits).
 REWRITES: list[tuple[Callable[[Node], bool], Emit]] = [
     (_role("row"), lambda em, node, lookup: _emit_row(em, node, lookup)),  # local matmul, all-reduce, bias once
-    (_role("vocab"), lambda em, node, lookup: _emit_vocab(em, node, lookup)),  # own rows, zero the rest, all-reduce
+    (_role("vocab"), emit_vocab),  # own rows, zero the rest, all-reduce (or the sum left pending)
+    (_role("owned"), emit_owned),  # one row of a split table: its rank's, zeros elsewhere (a pending sum)
     (is_stats, emit_stats),  # a reduction or norm over the split dim: partial statistics, one small collective
     # cond / map / an autocast region: its bodies rewritten for this rank
     (is_region, lambda em, node, lookup: emit_region(em, node, lookup, _rewrite_node)),
@@ -237,7 +238,7 @@ def _emit_row(em: _Emitter, node: Node, lookup: Callable[[Node], Node]) -> Node:
     conv = spec.rule == "weight_conv"
     rest = (None, *node.args[bi + 1:]) if conv else ()
     y = em.call(aten.mm.default if node.target is aten.addmm.default else node.target, x, w, *rest)
-    y = _reduce(em, node, y)
+    y = reduce_partial(em, node, y)
     if not isinstance(bias, Node):
         return y
     b, out = lookup(bias), node.meta.get("val")
@@ -246,33 +247,6 @@ def _emit_row(em: _Emitter, node: Node, lookup: Callable[[Node], Node]) -> Node:
     if conv:  # (C,) added to (B, C, *spatial)
         b = em.call(aten.view.default, b, [-1] + [1] * (out.dim() - 2))
     return em.call(aten.add.Tensor, y, b)
-
-
-def _reduce(em: _Emitter, node: Node, y: Node) -> Node:
-    """Sum the ranks' partial results: all-reduce, or reduce-scatter by tokens under SP."""
-    p = node.meta.get("tp_placement")
-    if is_seq(p) and p.outer is not None:  # (B*T, C): reduce-scattered on its (B, T, C) view
-        return reduce_scatter_tokens(em, node, y, p)
-    if is_seq(p):
-        return em.call(tp.reduce_scatter.default, y, p.dim, em.ctx.group)
-    return em.call(tp.all_reduce.default, y, em.ctx.group)
-
-
-def _emit_vocab(em: _Emitter, node: Node, lookup: Callable[[Node], Node]) -> Node:
-    """Vocabulary split: look up only this rank's rows, zero the rest; one all-reduce, or the sum left pending."""
-    w, idx = lookup(node.args[0]), lookup(node.args[1])
-    sl = em.ctx.slice_for(node.args[0].target)
-    rows_in_model = int(node.args[0].meta["val"].shape[0])
-    idx = em.call(check_token_ids, idx, rows_in_model, describe(node))  # the original raises on such ids
-    vocab = sl.padded or rows_in_model
-    start, stop = em.rank * vocab // em.ws, (em.rank + 1) * vocab // em.ws
-    outside = em.call(aten.bitwise_or.Tensor, em.call(aten.lt.Scalar, idx, start), em.call(aten.ge.Scalar, idx, stop))
-    local = em.call(aten.masked_fill.Scalar, em.call(aten.sub.Scalar, idx, start), outside, 0)
-    pad = node.args[2] if len(node.args) > 2 else -1
-    pad = pad - start if start <= pad < stop else -1
-    rows = em.call(aten.embedding.default, w, local, pad, *node.args[3:])
-    rows = em.call(aten.masked_fill.Scalar, rows, em.call(aten.unsqueeze.default, outside, -1), 0.0)
-    return rows if isinstance(node.meta.get("tp_placement"), Partial) else _reduce(em, node, rows)  # or pending
 
 
 def _localize(em: _Emitter, node: Node, locs: list[tuple]) -> tuple:

@@ -20,7 +20,7 @@ import sympy
 import torch
 from torch.fx import Node
 
-from tpcompile.placement import Shard, segment_ranges
+from tpcompile.placement import Shard, is_seq, segment_ranges
 from tpcompile.sharding_rules.rule_context import to_size
 
 aten = torch.ops.aten
@@ -107,3 +107,13 @@ def gather_tokens(em: Any, src: Node, node: Node, p: Shard, op: Any) -> Node:
     out = em.call(op, unflat_tokens(em, src, p), p.dim + 1, em.ctx.group)
     out.meta["tp_shape"] = _tokens_shape(node, p, True, em.ws)
     return em.call(aten.flatten.using_ints, out, p.dim, p.dim + 1)
+
+
+def reduce_partial(em: Any, node: Node, y: Node) -> Node:
+    """Sum the ranks' partial results: all-reduce, or reduce-scatter by tokens under SP."""
+    p = node.meta.get("tp_placement")
+    if is_seq(p) and p.outer is not None:  # (B*T, C): reduce-scattered on its (B, T, C) view
+        return reduce_scatter_tokens(em, node, y, p)
+    if is_seq(p):
+        return em.call(tp.reduce_scatter.default, y, p.dim, em.ctx.group)
+    return em.call(tp.all_reduce.default, y, em.ctx.group)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Replicate, Shard, local_sizes, moved, shard_of, split_dims
+from tpcompile.placement import PARTIAL, REPLICATE, Replicate, Shard, local_sizes, moved, shard_of, split_dims
 from tpcompile.sharding_rules.padded import padded_piece
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim, sizes_equal
@@ -85,13 +86,27 @@ def slice_(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
 
 @rule("select", args={"dim_arg": int})
 def select(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
-    """select: removes a dim other than the split one."""
+    """select: removes a dim other than the split one; one entry along a dim split in even blocks (a table's
+    padding row, `table[pad_id]`) is held by one rank, which gives it while the others give zeros: a pending sum
+    (role `owned`), reduced with the sums it joins (the token embeddings')."""
     x, p, dim = _along(node, spec, ctx)
     if isinstance(p, Replicate):
         return Result(REPLICATE, [Want(x, REPLICATE)])
     if dim in split_dims(p):
+        if _owned_entry(node, p, dim, ctx):
+            return Result(PARTIAL, [Want(x, p)], role="owned")
         return _fail(node, "select along the split dim")
     return Result(moved(p, p.dim - (dim < p.dim)), [Want(x, p)])
+
+
+def _owned_entry(node: Node, p: Shard, dim: int, ctx: RuleContext) -> bool:
+    """A literal index along `dim` of a float parameter split by `p` in one run of even blocks (zero-padded or not):
+    exactly one rank holds the entry. (An activation's entry stays a conflict: its producer kept whole costs no
+    collective, a pending entry one per read.)"""
+    shape, val = ctx.shape(node.args[0]), node.meta.get("val")
+    return (ctx.param(node.args[0]) is not None and p.dim == dim and (p.plain or p.plain_padded) and not p.seq and not p.split_next
+            and isinstance(node.args[2] if len(node.args) > 2 else None, int) and isinstance(shape[dim], int)
+            and isinstance(val, torch.Tensor) and val.is_floating_point())
 
 
 @rule("index")
