@@ -153,3 +153,64 @@ def test_transposed_token_ids_are_still_the_token_ids(ws: int) -> None:
     assert _forward_collectives(sm, x) == ["all_reduce", "all_reduce", "all_gather_replicated"]
     report = tpcompile.check_gradients(model, sm, x)
     assert report.ok, str(report)
+
+
+class PromptIds(nn.Module):
+    """Ids of `prompt` learned prompt tokens (rows past the vocabulary) prepended to the token ids, a segment table
+    read with ids made from the token ids (0 on the prompt), then a norm, an MLP and a head (CPM-Ant's inputs)."""
+
+    def __init__(self, vocab: int = 40, prompt: int = 4, dim: int = 16) -> None:
+        super().__init__()
+        self.vocab, self.prompt = vocab, prompt
+        self.tokens, self.segments = nn.Embedding(vocab + prompt, dim), nn.Embedding(3, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b = ids.shape[0]
+        prompt = torch.arange(self.vocab, self.vocab + self.prompt, device=ids.device).repeat(b, 1)
+        segment = torch.cat([torch.zeros_like(prompt), torch.where(ids != 0, 2, 1)], dim=1)
+        x = self.norm(self.tokens(torch.cat([prompt, ids], dim=1)) + self.segments(segment))
+        return self.head(x + self.down(torch.relu(self.up(x))))
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_token_ids_behind_constant_prompt_ids_are_still_the_token_ids(ws: int) -> None:
+    """A cat of ids made from constants alone and the token ids is the token ids: the token table (and the
+    segment table, whose sum joins it) split by rows, one all-reduce for both, no warning."""
+    torch.manual_seed(0)
+    model = PromptIds().eval()
+    sm, texts = _shard(model, ws, torch.randint(0, 40, (2, 8)))
+    assert texts == []
+    assert sm.plan.parameters["tokens.weight"].dim == 0 and sm.plan.parameters["segments.weight"].dim == 0
+    x = torch.randint(0, 40, (3, 11))
+    _equal(sm, model, x)
+    assert _forward_collectives(sm, x) == ["all_reduce", "all_reduce", "all_gather_replicated"]
+    report = tpcompile.check_gradients(model, sm, x)
+    assert report.ok, str(report)
+
+
+class IdsWithOtherInput(nn.Module):
+    """Token ids joined with a second id input of the model before one lookup: not ids made from constants."""
+
+    def __init__(self, vocab: int = 40, dim: int = 16) -> None:
+        super().__init__()
+        self.tokens, self.types = nn.Embedding(vocab, dim), nn.Embedding(vocab, dim)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, ids: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+        x = self.types(torch.cat([extra, ids], dim=1))
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def test_ids_joined_with_another_input_are_not_taken_for_token_ids() -> None:
+    """The joined ids read a second model input: the lookup is a side lookup whose sum would be reduced alone, so
+    its table stays whole as a choice (no warning), as before."""
+    torch.manual_seed(0)
+    model = IdsWithOtherInput().eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sm = tpcompile.shard(model, 2, example_inputs=(torch.randint(0, 40, (2, 8)), torch.randint(0, 40, (2, 3))))
+    assert [w for w in caught if issubclass(w.category, tpcompile.TPCompileWarning)] == []
+    assert sm.plan.parameters["types.weight"].dim is None

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch.fx import GraphModule, Node
 
 from tpcompile.passes.pass_context import describe, module_path
 from tpcompile.placement import Partial
 from tpcompile.sharding_rules.rule_context import Choice
+
+aten = torch.ops.aten
 
 
 def lonely_lookups(gm: GraphModule, is_user_input: Any) -> list[tuple[frozenset, Choice]]:
@@ -36,7 +39,34 @@ def lonely_lookups(gm: GraphModule, is_user_input: Any) -> list[tuple[frozenset,
 def _side_lookup(node: Node, is_user_input: Any) -> bool:
     """A vocabulary lookup whose indices are not the user's token ids (positions, token types)."""
     layout = node.meta.get("tp_layout")
-    return layout is not None and layout.role == "vocab" and not is_user_input(node.args[1])
+    return layout is not None and layout.role == "vocab" and not is_user_input(node.args[1]) \
+        and not _joined_ids(node.args[1], is_user_input)
+
+
+def _joined_ids(ids: Any, is_user_input: Any) -> bool:
+    """Token ids joined by a cat with ids the model makes from constants alone (CPM-Ant prepends the ids of its
+    prompt tokens): one operand the user's ids, every other one read from no model input."""
+    if not isinstance(ids, Node) or ids.target not in (aten.cat.default, aten.concat.default,
+                                                        aten.concatenate.default):
+        return False
+    joined = [a for a in ids.args[0] if isinstance(a, Node)]
+    users = [a for a in joined if is_user_input(a)]
+    return len(users) == 1 and all(not _reads_input(a) for a in joined if a is not users[0])
+
+
+def _reads_input(node: Node, limit: int = 64) -> bool:
+    """True when `node` is computed from a model input's values (its sizes do not count), or from more nodes than
+    `limit` (not worth following)."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n.target is aten.sym_size.int:  # a size: the batch a constant is repeated over
+            continue
+        if n.op == "placeholder" or len(seen) > limit:
+            return True
+        seen.add(n)
+        todo += [a for a in n.all_input_nodes if a not in seen]
+    return False
 
 
 def _reduced_inputs(node: Node) -> list[Node]:
