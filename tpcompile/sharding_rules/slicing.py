@@ -104,9 +104,9 @@ def _owned_entry(node: Node, p: Shard, dim: int, ctx: RuleContext) -> bool:
     exactly one rank holds the entry. (An activation's entry stays a conflict: its producer kept whole costs no
     collective, a pending entry one per read.)"""
     shape, val = ctx.shape(node.args[0]), node.meta.get("val")
-    return (ctx.param(node.args[0]) is not None and p.dim == dim and (p.plain or p.plain_padded) and not p.seq and not p.split_next
-            and isinstance(node.args[2] if len(node.args) > 2 else None, int) and isinstance(shape[dim], int)
-            and isinstance(val, torch.Tensor) and val.is_floating_point())
+    return (ctx.param(node.args[0]) is not None and p.dim == dim and (p.plain or p.plain_padded) and not p.seq
+            and not p.split_next and isinstance(node.args[2] if len(node.args) > 2 else None, int)
+            and isinstance(shape[dim], int) and isinstance(val, torch.Tensor) and val.is_floating_point())
 
 
 @rule("index")
