@@ -46,8 +46,8 @@ def _side_lookup(node: Node, is_user_input: Any) -> bool:
 def _joined_ids(ids: Any, is_user_input: Any) -> bool:
     """Token ids joined by a cat with ids the model makes from constants alone (CPM-Ant prepends the ids of its
     prompt tokens): one operand the user's ids, every other one read from no model input."""
-    if not isinstance(ids, Node) or ids.target not in (aten.cat.default, aten.concat.default,
-                                                        aten.concatenate.default):
+    spec = ids.meta.get("tp_rule") if isinstance(ids, Node) else None
+    if spec is None or spec.rule != "cat":
         return False
     joined = [a for a in ids.args[0] if isinstance(a, Node)]
     users = [a for a in joined if is_user_input(a)]
