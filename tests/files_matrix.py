@@ -79,7 +79,7 @@ def rank_wrong(gm: torch.fx.GraphModule, want: dict[str, torch.Tensor]) -> list[
     """Names whose rank-module tensor is not exactly this rank's slice of `want`'s."""
     sm, rank = gm.meta["tpcompile"], gm.meta["tpcompile_rank"]
     return [n for n, t in gm.state_dict().items()
-            if not torch.equal(t, local_tensor(want[n], sm._ctx.slice_for(n), rank, sm.world_size))]
+            if not torch.equal(t, local_tensor(want[n], sm.slice_for(n), rank, sm.world_size))]
 
 
 def hybrid_wrong(hm: Any, want: dict[str, torch.Tensor]) -> list[str]:

@@ -61,7 +61,7 @@ def test_plan_lines_differ_with_the_overrides() -> None:
     ids = torch.randint(0, 64, (2, 12))
     plain = tpcompile.shard(gpt(0), 2, example_inputs=(ids,))
     other = tpcompile.shard(gpt(0), 2, example_inputs=(ids,), plan={"transformer.h.0.mlp": "replicate"})
-    assert plan_lines(plain.plan, plain._ctx.overrides) != plan_lines(other.plan, other._ctx.overrides)
+    assert plan_lines(plain.plan, plain.overrides) != plan_lines(other.plan, other.overrides)
 
 
 def test_value_fingerprints_tell_other_values_apart() -> None:

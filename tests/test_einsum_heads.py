@@ -138,7 +138,7 @@ def _einsums(sm: tpcompile.ShardedModel) -> dict[str, object]:
     out: dict[str, object] = {}
     for n in sm.captured.graph.nodes:
         if n.target is torch.ops.aten.einsum.default:
-            out.setdefault(n.args[0], n.meta["tp_placement"])
+            out.setdefault(n.args[0], sm.decisions.placement(n))
     return out
 
 
@@ -197,7 +197,7 @@ def test_separate_parameters_are_split_by_heads(ws: int, form: str) -> None:
 def test_readers_choose_the_heads_index() -> None:
     """The packed einsum's readers refuse the q|k|v index (unbound) and head_dim (summed by q.k), want the heads."""
     sm = tpcompile.shard(Net(PackedEinsum, "einsum"), 2, example_inputs=(torch.randn(2, 8, D),))
-    spec = next(n.meta["tp_rule"] for n in sm.captured.graph.nodes if n.target is torch.ops.aten.einsum.default)
+    spec = next(sm.decisions.rule(n) for n in sm.captured.graph.nodes if n.target is torch.ops.aten.einsum.default)
     assert spec.get("needs") == {"s": REFUSED, "h": WANTED, "e": REFUSED}
 
 
@@ -224,7 +224,7 @@ def test_expert_index_stays_whole(ws: int) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", tpcompile.TPCompileWarning)
         sm = tpcompile.shard(model, ws, example_inputs=(torch.randn(2, 8, D),), plan={"router": "replicate"})
-    spec = next(n.meta["tp_rule"] for n in sm.captured.graph.nodes if n.target is torch.ops.aten.einsum.default)
+    spec = next(sm.decisions.rule(n) for n in sm.captured.graph.nodes if n.target is torch.ops.aten.einsum.default)
     assert spec.get("needs") == {"e": REFUSED, "o": TAKEN}
     assert sm.plan.parameters["w"].dim == 1
     x = torch.randn(3, 11, D)

@@ -115,8 +115,9 @@ def _check(model: nn.Module, op: str, *, row: bool = False) -> None:
             warnings.simplefilter("ignore", FutureWarning)  # deepcopy of torch's pytree spec
             sm = shard_captured(replace(cap, gm=copy.deepcopy(cap.gm)), ws)
         nodes = [n for n in sm.captured.graph.nodes if n.op == "call_function" and op_name(n.target) == op]
-        assert nodes and all((n.meta["tp_rule"] is not None) == row for n in nodes), f"{op}: not in the graph, or row"
-        assert any(isinstance(n.meta["tp_placement"], (Shard, tuple)) for n in nodes), f"{op} was not split"
+        decided = sm.decisions
+        assert nodes and all((decided.rule(n) is not None) == row for n in nodes), f"{op}: not in the graph, or row"
+        assert any(isinstance(decided.placement(n), (Shard, tuple)) for n in nodes), f"{op} was not split"
         assert sm.plan.modules == {"up": "column", "down": "row"}
         with torch.no_grad():
             ref = model(other)

@@ -114,7 +114,7 @@ def test_checkpoint_dtypes(tmp_path: Path, stored: torch.dtype, model_dtype: tor
     sm, gm = _rank0(buffered(1).to(model_dtype))
     if loads:
         dcp.load(gm, tmp_path, sharded=sm, rank=0, no_dist=True)
-        want = local_tensor(state["up.weight"].to(model_dtype), sm._ctx.slice_for("up.weight"), 0, 2)
+        want = local_tensor(state["up.weight"].to(model_dtype), sm.slice_for("up.weight"), 0, 2)
         assert torch.equal(gm.get_parameter("up.weight"), want)
         return
     with pytest.raises(Error) as err:
@@ -185,7 +185,7 @@ def test_buffers_in_tpcompile_checkpoints(stock: Path, tmp_path: Path) -> None:
     dcp.load(gm1, stock, sharded=sm1, rank=0, no_dist=True)
     model = buffered()
     for name, t in list(model.named_parameters()) + [("scale", model.scale)]:
-        assert torch.equal(gm1.state_dict()[name], local_tensor(t, sm1._ctx.slice_for(name), 0, 2)), name
+        assert torch.equal(gm1.state_dict()[name], local_tensor(t, sm1.slice_for(name), 0, 2)), name
     assert torch.all(gm1.table == 7.0)
 
 

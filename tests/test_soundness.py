@@ -116,13 +116,19 @@ def test_a_parameter_read_more_than_one_way(cls: type, ws: int) -> None:
 
 def test_every_read_of_a_split_parameter_is_checked() -> None:
     """The verifier names a reader of a split parameter that was not planned for the split."""
+    from dataclasses import replace
+    from types import MappingProxyType
+
     from tpcompile.passes.verify_plan import verify_pass
     sm = _shard(TiedMatmulHead().eval(), 2, torch.randint(0, V, (2, 5)))
     weight = next(n for n in sm.captured.graph.nodes if n.op == "get_attr" and n.target == "emb.weight")
     reader = next(u for u in weight.users if u.target is torch.ops.aten.t.default)
-    reader.meta["tp_layout"].wants.clear()  # as if its rule had not seen the split
+    assert verify_pass(sm.captured, sm.decisions) is sm.captured
+    planned = sm.decisions.nodes[reader]
+    unplanned = replace(planned, layout=replace(planned.layout, wants=()))  # as if its rule had not seen the split
+    decided = replace(sm.decisions, nodes=MappingProxyType({**sm.decisions.nodes, reader: unplanned}))
     with pytest.raises(tpcompile.TPCompileError, match=r"parameter emb\.weight is split on dim 0 .* aten\.t"):
-        verify_pass(sm.captured, sm._ctx)
+        verify_pass(sm.captured, decided)
 
 
 # --- 2. in-place updates of a split parameter ---

@@ -10,6 +10,7 @@ import torch
 import tpcompile
 from tpcompile.models import build
 from tpcompile.ops.schedule import graph_schedule as collective_signature
+from tpcompile.passes.decisions import freeze
 from tpcompile.passes.pass_context import PassContext
 from tpcompile.passes.verify_plan import check_tiling, verify_pass
 from tpcompile.passes.verify_ranks import verify_rank
@@ -135,11 +136,11 @@ def test_verify_pass_checks_every_split_parameter() -> None:
     ctx = PassContext(2)
     ctx.tensors = {"fc.weight": torch.zeros(8, 4), "fc.bias": torch.zeros(8)}
     ctx.param_slices = {"fc.weight": ParamSlice(0), "fc.bias": ParamSlice(0, padded=6)}
-    with pytest.raises(tpcompile.TPCompileError, match=r"parameter fc\.bias: split size 6"):
-        verify_pass(None, ctx)
-    ctx.param_slices["fc.bias"] = ParamSlice(0)
     gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
-    assert verify_pass(gm, ctx) is gm
+    with pytest.raises(tpcompile.TPCompileError, match=r"parameter fc\.bias: split size 6"):
+        verify_pass(gm, freeze(gm, ctx))
+    ctx.param_slices["fc.bias"] = ParamSlice(0)
+    assert verify_pass(gm, freeze(gm, ctx)) is gm
 
 
 def test_verify_is_cheap(gpt_sharded: tuple) -> None:

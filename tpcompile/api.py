@@ -4,6 +4,7 @@
     annotate     passes/annotate.annotate_pass        node.meta['tp_rule']: the op table row
     propagate    passes/propagate.propagate_pass      node.meta['tp_placement'], ['tp_layout']
     pieces       passes/piece_reads.warn_pieces_read_whole  a warning per weight a matmul reads in pieces
+    freeze       passes/decisions.freeze              the frozen plan (Decisions): node -> layout, parameter -> cut
     verify       passes/verify_plan.verify_pass       the slices tile every split parameter
     plan         passes/plan.build_plan               ShardedModel.plan
     rewrite(r)   passes/rewrite.rewrite_pass          rank r's GraphModule (on first use)
@@ -11,7 +12,8 @@
     verify(r)    passes/verify_ranks.verify_rank      lint, planned shapes, rank 0's collectives
     lower(r)     passes/comm_lower.lower_pass         with comm=CommOptions(lower_c10d=True): _c10d_functional ops
 
-`shard()` is capture then `shard_captured()`; `ShardedModel.rank(r)` runs the last two.
+`shard()` is capture then `shard_captured()`; `ShardedModel.rank(r)` runs the last four, reading the frozen
+plan (`ShardedModel.decisions`) and nothing else the passes before it wrote.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from tpcompile.passes.comm_inplace import inplace_pass
 from tpcompile.passes.comm_linear_grads import linear_grads_pass
 from tpcompile.passes.comm_lower import lower_pass
 from tpcompile.passes.comm_options import CommOptions, comm_options
+from tpcompile.passes.decisions import Decisions, freeze
 from tpcompile.passes.pass_context import PassContext, module_path
 from tpcompile.passes.plan import Plan, build_plan
 from tpcompile.passes.piece_reads import warn_pieces_read_whole
@@ -86,8 +89,9 @@ def shard_captured(cap: Captured, world_size: int, *, plan: Any = None, group: A
     gm = annotate_pass(cap.gm, ctx)  # annotate: rule per op, fused-projection segments
     gm = propagate_pass(gm, ctx)  # propagate: placements, column/row/vocab roles
     warn_pieces_read_whole(gm, ctx)  # weights a matmul reads in pieces stay whole: say so
-    gm = verify_pass(gm, ctx)  # verify: parameter slices tile each parameter
-    sm = ShardedModel(gm, ctx, cap.model_name, build_plan(gm, ctx))  # plan: what was decided
+    decisions = freeze(gm, ctx)  # freeze: the decision as one value, taken off the graph
+    gm = verify_pass(gm, decisions)  # verify: parameter slices tile each parameter
+    sm = ShardedModel(gm, decisions, cap.model_name, build_plan(gm, decisions, ctx))  # plan: what was decided
     sm.comm = comm_options(comm)
     return sm
 
@@ -95,13 +99,13 @@ def shard_captured(cap: Captured, world_size: int, *, plan: Any = None, group: A
 class ShardedModel:
     """One torch.fx GraphModule per rank, built on first use, plus the plan behind them."""
 
-    def __init__(self, captured: GraphModule, ctx: PassContext, model_name: str, plan: Plan) -> None:
+    def __init__(self, captured: GraphModule, decisions: Decisions, model_name: str, plan: Plan) -> None:
         self.captured = captured
-        self.world_size = ctx.world_size
+        self.decisions = decisions  # the frozen plan: node -> rule, placement, layout; parameter -> cut
+        self.world_size = decisions.world_size
         self.model_name = model_name
         self.plan = plan
         self.timings: dict[str, float] = {}  # seconds: capture_s (torch.export), passes_s
-        self._ctx = ctx
         self._ranks: dict[int, GraphModule] = {}
         self._reference: Optional[list] = None
         self._lock = threading.Lock()
@@ -117,9 +121,9 @@ class ShardedModel:
         with self._lock:  # ranks may be asked for from several threads at once
             if r not in self._ranks:
                 log.info("building rank %d of %d", r, self.world_size)
-                gm = self._comm(rewrite_pass(self.captured, self._ctx, r))  # rewrite(r), comm(r)
+                gm = self._comm(rewrite_pass(self.captured, self.decisions, r))  # rewrite(r), comm(r)
                 if self._reference is None:  # rank 0's schedule, even in a process that builds only rank r
-                    ref = gm if r == 0 else self._comm(rewrite_graph(self.captured, self._ctx, 0))
+                    ref = gm if r == 0 else self._comm(rewrite_graph(self.captured, self.decisions, 0))
                     self._reference = graph_schedule(ref)
                 shapes = {name: pp.local_shape for name, pp in self.plan.parameters.items()}
                 verify_rank(gm, self._reference, r, shapes)  # verify(r): lint, planned slices, rank 0's collectives
@@ -139,7 +143,7 @@ class ShardedModel:
         if self.comm.inplace and self.comm.asynchronous:
             g = async_pass(g)  # async: those all-reduces start after their input, wait before their first reader
         if self.comm.bucket_bytes:
-            g = bucket_pass(g, self._ctx, self.comm.bucket_bytes)  # buckets: per-parameter gradient syncs, fused
+            g = bucket_pass(g, self.decisions, self.comm.bucket_bytes)  # buckets: per-parameter gradient syncs, fused
         return g
 
     def __getitem__(self, r: int) -> GraphModule:
@@ -161,32 +165,32 @@ class ShardedModel:
     @property
     def group(self) -> str:
         """The collectives' group key the rank graphs were built for."""
-        return self._ctx.group
+        return self.decisions.group
 
     @property
     def overrides(self) -> dict[str, str]:
         """The user's per-module overrides (module path -> replicate | sharded_output | auto), as applied."""
-        return dict(self._ctx.overrides)
+        return dict(self.decisions.overrides)
 
     def state_names(self) -> list[str]:
         """The names of every parameter and buffer the captured graph reads, tied aliases each listed."""
-        return list(self._ctx.tensors)
+        return list(self.decisions.tensors)
 
     def full_shape(self, name: str) -> tuple[int, ...]:
         """The unsharded shape of the parameter or buffer `name`."""
-        return tuple(self._ctx.tensors[name].shape)
+        return tuple(self.decisions.tensors[name].shape)
 
     def slice_for(self, name: str) -> Optional[ParamSlice]:
         """How the parameter or buffer `name` is cut across the ranks (None: whole on every rank)."""
-        return self._ctx.slice_for(name)
+        return self.decisions.slice_for(name)
 
     def aliases(self, name: str) -> list[str]:
         """Every name of the tensor called `name` (tied parameters have several), itself included."""
-        return self._ctx.aliases(name)
+        return self.decisions.aliases(name)
 
     def rank_graph(self, r: int) -> Any:
         """Rank r's graph as rewrite and the communication passes leave it, before verification and lowering."""
-        return self._comm(rewrite_graph(self.captured, self._ctx, r))
+        return self._comm(rewrite_graph(self.captured, self.decisions, r))
 
     def merge_state_dicts(self, states: list[dict], *, strict: bool = True) -> dict:
         """The original model's state dict, put together from every rank's `state_dict()`."""

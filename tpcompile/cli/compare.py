@@ -65,7 +65,7 @@ def output_placements(sharded: Any, count: int) -> list[Optional[Any]]:
              if isinstance(n, torch.fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)]
     if len(nodes) != count:  # outputs the graph does not return as tensors: compare whole
         return [None] * count
-    return [p if isinstance(p := n.meta.get("tp_placement"), Shard) else None for n in nodes]
+    return [p if isinstance(p := sharded.decisions.placement(n), Shard) else None for n in nodes]
 
 
 def tolerance(dtype: torch.dtype, atol: Optional[float], rtol: Optional[float]) -> tuple[float, float]:

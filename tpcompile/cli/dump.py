@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from tpcompile.cli.common import add_model_args, load, shard
 from tpcompile.cli.diff import check_rank
@@ -27,13 +28,13 @@ def add_parser(sub: argparse._SubParsersAction, parent: argparse.ArgumentParser)
     p.set_defaults(func=run)
 
 
-def _write(folder: Path, gm: object, shapes: dict[str, str], title: str) -> list[Path]:
-    """code.py, nodes.txt, graph.svg and graph.dot of one graph."""
+def _write(folder: Path, gm: object, shapes: dict[str, str], title: str, placement: Any = None) -> list[Path]:
+    """code.py, nodes.txt, graph.svg and graph.dot of one graph (placed by `placement`: node_infos)."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise TPCompileError(f"cannot create folder {folder}: {exc.strerror or exc}; choose another --out") from exc
-    infos = node_infos(gm, shapes)
+    infos = node_infos(gm, shapes, placement)
     files = {
         "code.py": gm.code.strip() + "\n",
         "nodes.txt": f"# {title}: {len(infos)} nodes ({legend(infos)})\n" + node_table(infos),
@@ -67,7 +68,8 @@ def run(ns: argparse.Namespace) -> int:
         traced = trace(sm, loaded.args, loaded.kwargs)
     name = type(loaded.model).__name__
     with step(f"writing the captured graph's files to {out / 'original'}"):
-        written = _write(out / "original", sm.captured, traced.captured_shapes, f"{name} captured (unsharded)")
+        written = _write(out / "original", sm.captured, traced.captured_shapes, f"{name} captured (unsharded)",
+                         sm.decisions.placement)
     for r in ranks:
         with step(f"writing rank {r}'s files to {out / f'rank{r}'}"):
             written += _write(out / f"rank{r}", sm.rank(r), traced.rank_shapes[r],

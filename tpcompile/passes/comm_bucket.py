@@ -26,7 +26,7 @@ from torch import fx
 from torch.fx import GraphModule, Node
 
 import tpcompile.ops.buckets  # noqa: F401  (registers torch.ops.tpcompile.grad_bucket_all_reduce)
-from tpcompile.passes.pass_context import PassContext
+from tpcompile.passes.decisions import Decisions
 from tpcompile.placement import Replicate, slice_shape
 
 META_KEY = "tp_bucket"
@@ -50,7 +50,7 @@ def parameters_of(x: Node) -> Optional[list[Node]]:
     return params
 
 
-def _member(node: Node, ctx: PassContext) -> Optional[tuple[int, int, int, torch.dtype, list[str]]]:
+def _member(node: Node, plan: Decisions) -> Optional[tuple[int, int, int, torch.dtype, list[str]]]:
     """(dim, pieces, bytes, dtype, parameter names) for a per-parameter gradient sync, else None."""
     if node.op != "call_function":
         return None
@@ -62,7 +62,7 @@ def _member(node: Node, ctx: PassContext) -> Optional[tuple[int, int, int, torch
     else:
         return None
     params = parameters_of(x)
-    if not params or any(p.target not in ctx.tensors for p in params):
+    if not params or any(p.target not in plan.tensors for p in params):
         return None
     if not pieces and x.op != "get_attr":
         # a replicated value computed from parameters (Gemma's norms scale by 1 + weight): its own bytes
@@ -72,10 +72,10 @@ def _member(node: Node, ctx: PassContext) -> Optional[tuple[int, int, int, torch
         return dim, pieces, val.numel() * val.element_size(), val.dtype, [p.target for p in params]
     nbytes = 0
     for p in params:
-        t = ctx.tensors[p.target]
-        shape = slice_shape(t.shape, ctx.slice_for(p.target), ctx.world_size)
+        t = plan.tensors[p.target]
+        shape = slice_shape(t.shape, plan.slice_for(p.target), plan.world_size)
         nbytes += max(pieces, 1) * t.element_size() * int(torch.Size(shape).numel())
-    return dim, pieces, nbytes, ctx.tensors[params[0].target].dtype, [p.target for p in params]
+    return dim, pieces, nbytes, plan.tensors[params[0].target].dtype, [p.target for p in params]
 
 
 def plan_buckets(members: list[tuple[Node, tuple]], bucket_bytes: int) -> list[list[tuple[Node, tuple]]]:
@@ -114,11 +114,11 @@ def hoist(before: Node, xs: list[Node], order: dict[Node, int]) -> None:
         before.prepend(n)
 
 
-def bucket_pass(gm: Union[GraphModule, fx.Graph], ctx: PassContext,
+def bucket_pass(gm: Union[GraphModule, fx.Graph], plan: Decisions,
                 bucket_bytes: int) -> Union[GraphModule, fx.Graph]:
     """Replace per-parameter gradient syncs with one grad_bucket_all_reduce per bucket."""
     graph = gm.graph if isinstance(gm, GraphModule) else gm
-    members = [(n, info) for n in graph.nodes if (info := _member(n, ctx)) is not None]
+    members = [(n, info) for n in graph.nodes if (info := _member(n, plan)) is not None]
     if not members:
         return gm
     for index, bucket in enumerate(plan_buckets(members, bucket_bytes)):
@@ -130,7 +130,7 @@ def bucket_pass(gm: Union[GraphModule, fx.Graph], ctx: PassContext,
         dims = [info[0] for _, info in bucket]
         pieces = [info[1] for _, info in bucket]
         with graph.inserting_before(first):
-            fused = graph.call_function(tp.grad_bucket_all_reduce.default, (xs, dims, pieces, ctx.group))
+            fused = graph.call_function(tp.grad_bucket_all_reduce.default, (xs, dims, pieces, plan.group))
             fused.meta = {k: v for k, v in first.meta.items() if k in ("nn_module_stack", "stack_trace")}
             nbytes = sum(info[2] for _, info in bucket)
             fused.meta[META_KEY] = (index, nbytes, [name for _, info in bucket for name in info[4]])

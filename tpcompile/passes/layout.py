@@ -1,17 +1,18 @@
-"""node.meta['tp_layout']: what the rewriter must do around one node (written by propagate, read by rewrite)."""
+"""Layout: what the rewriter must do around one node (propagate writes node.meta['tp_layout'], freeze keeps it in
+the frozen plan, the rewrite reads it there)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 from tpcompile.sharding_rules.rule_context import Want
 
 
-@dataclass
+@dataclass(frozen=True)
 class Layout:
-    """node.meta['tp_layout']: what the rewriter must do around one node."""
+    """What the rewriter must do around one node."""
 
     role: str = "generic"
-    wants: list[Want] = field(default_factory=list)
-    localize: Optional[list[tuple]] = None
+    wants: Sequence[Want] = ()
+    localize: Optional[Sequence[tuple]] = None
     gather_output: bool = True

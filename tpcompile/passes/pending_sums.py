@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
+from tpcompile.passes.decisions import ANNOTATIONS
 from tpcompile.passes.pass_context import describe, module_path
 from tpcompile.placement import Partial
 from tpcompile.sharding_rules.rule_context import Choice
@@ -27,7 +28,7 @@ def lonely_lookups(gm: GraphModule, is_user_input: Any) -> list[tuple[frozenset,
     found: dict[frozenset, Node] = {}
     for node in gm.graph.nodes:
         for value in _reduced_inputs(node):
-            made = frozenset(summands(value))
+            made = frozenset(summands(value, ANNOTATIONS))
             if made and all(_side_lookup(m, is_user_input) for m in made):
                 found.setdefault(made, value)
     return [(made, Choice(f"{describe(value)}: reads whole the sum of {', '.join(sorted(describe(m) for m in made))}, "
@@ -83,33 +84,34 @@ def _reduced_inputs(node: Node) -> list[Node]:
     return [i for i in pending if not isinstance(wanted.get(i), Partial)]
 
 
-def summands(value: Node) -> list[Node]:
-    """The ops whose summands make the pending `value` (row splits, lookups), in graph order."""
+def summands(value: Node, decided: Any) -> list[Node]:
+    """The ops whose summands make the pending `value` (row splits, lookups), in graph order, as `decided` (the
+    frozen plan, or the annotations while propagation runs) places them."""
     made, todo, seen = set(), [value], set()
     while todo:
         n = todo.pop()
         if n in seen:
             continue
         seen.add(n)
-        layout = n.meta.get("tp_layout")
+        layout = decided.layout(n)
         ins = [w.node for w in (layout.wants if layout is not None else []) if isinstance(w.placement, Partial)
-               and isinstance(w.node.meta.get("tp_placement"), Partial)]
+               and isinstance(decided.placement(w.node), Partial)]
         todo += ins
         if not ins:
             made.add(n)
     return [n for n in value.graph.nodes if n in made]
 
 
-def sum_paths(value: Node) -> tuple[str, ...]:
+def sum_paths(value: Node, decided: Any) -> tuple[str, ...]:
     """The module paths of the summands of the pending `value`: an all-reduce of a sum joined outside them (token
     plus position embeddings) is priced by the planner as their split's."""
-    return tuple(p for n in summands(value) if (p := module_path(n)))
+    return tuple(p for n in summands(value, decided) if (p := module_path(n)))
 
 
-def reduce_site(value: Node) -> Node:
+def reduce_site(value: Node, decided: Any) -> Node:
     """The op an all-reduce of the pending `value` is attributed to: `value`, when a module of its own holds every
     summand (experts summed in their MoE layer), else the first summand (token and position embeddings added at
     the top, or in a dropout's module)."""
-    where, made = module_path(value) or "", summands(value)
+    where, made = module_path(value) or "", summands(value, decided)
     inside = all((module_path(m) or "").startswith(where + ".") or module_path(m) == where for m in made)
     return value if where and inside else made[0]

@@ -1,4 +1,4 @@
-"""The plan: what shard() decided, per weight op and per parameter, read off the propagated graph.
+"""The plan: what shard() decided, per weight op and per parameter, read off the frozen plan (passes/decisions.py).
 
 `Plan` is the result users read (`ShardedModel.plan`); the user's own choices are the
 overrides (tpcompile.overrides), and `tpcompile plan` renders a Plan (report/plan_table.py).
@@ -11,6 +11,7 @@ from typing import Optional
 from torch import nn
 from torch.fx import GraphModule
 
+from tpcompile.passes.decisions import Decisions
 from tpcompile.passes.pass_context import PassContext, describe, owner_path
 from tpcompile.passes.propagate import SEED_RULES, seed_path
 from tpcompile.placement import ParamSlice, is_seq, slice_shape
@@ -58,45 +59,47 @@ class Plan:
         return self.modules[module]
 
 
-def build_plan(gm: GraphModule, ctx: PassContext) -> Plan:
-    """The Plan of a propagated graph: module roles from node.meta['tp_layout'], slices from ctx."""
-    plan = Plan(ctx.world_size, warnings=list(ctx.warnings))
+def build_plan(gm: GraphModule, decided: Decisions, ctx: PassContext) -> Plan:
+    """The Plan of a propagated graph: module roles and slices from the frozen plan, what was kept whole and why
+    (and the warnings) from the propagation's context."""
+    plan = Plan(decided.world_size, warnings=list(ctx.warnings))
     for node in gm.graph.nodes:
-        layout = node.meta.get("tp_layout")
-        spec = node.meta.get("tp_rule")
+        layout = decided.layout(node)
+        spec = decided.rule(node)
         if layout is None or spec is None or spec.rule not in SEED_RULES:
             continue
-        path = seed_path(node)
+        path = seed_path(node, decided)
         role = layout.role if layout.role in SPLIT_ROLES else "replicated"
         # a module read by several weight ops (an embedding whose weight is also the head `h @ W.t()`):
         # the first split role names it
         if path is not None and plan.modules.get(path, "replicated") == "replicated":
             plan.modules[path] = role
-        if ctx.sequence_parallel and role in ("row", "vocab") and path is not None:
-            why = not_token_split(RuleContext.shape(node), ctx.world_size)
-            plan.sequence_parallel[path] = "reduce-scattered: split by tokens" if is_seq(node.meta["tp_placement"]) \
+        if decided.sequence_parallel and role in ("row", "vocab") and path is not None:
+            why = not_token_split(RuleContext.shape(node), decided.world_size)
+            plan.sequence_parallel[path] = "reduce-scattered: split by tokens" if is_seq(decided.placement(node)) \
                 else f"not split by tokens: {why or 'its sum is needed whole'}"
     for seed, why in [*ctx.demoted.items(), *ctx.notes.items()]:
-        if seed_path(seed) is not None:
-            plan.replicated[seed_path(seed)] = why
-        elif seed.meta["tp_layout"].role == "stats":
+        if seed_path(seed, decided) is not None:
+            plan.replicated[seed_path(seed, decided)] = why
+        elif decided.layout(seed).role == "stats":
             plan.statistics[describe(seed)] = why
     seen: set[int] = set()
-    for name, t in ctx.tensors.items():
+    for name, t in decided.tensors.items():
         if not isinstance(t, nn.Parameter) or id(t) in seen:
             continue
         seen.add(id(t))
-        sl = ctx.slice_for(name)
-        owners = [owner_path(n) for n in ctx.aliases(name)]
+        sl = decided.slice_for(name)
+        owners = [owner_path(n) for n in decided.aliases(name)]
         roles = [plan.modules[o] for o in owners if o in plan.modules]
         # "follows": cut like the split value it is combined with, by no weight op of its own (param_cuts.py)
         role = next((r for r in roles if r != "replicated"), "follows") if sl is not None else "replicated"
         if name in ctx.unread:  # no op reads it: cut for storage only (param_cuts.cut_unread)
             role = "unread"
-        local = slice_shape(t.shape, sl, ctx.world_size)
-        tied = tuple(n for n in ctx.aliases(name) if n != name)
+        local = slice_shape(t.shape, sl, decided.world_size)
+        tied = tuple(n for n in decided.aliases(name) if n != name)
         plan.parameters[name] = ParamPlan(name, role, None if sl is None else sl.dim,
                                           None if sl is None else sl.segments, tuple(t.shape), local, tied,
                                           None if sl is None else sl.padded, None if sl is None else sl.pieces,
                                           None if sl is None else sl.seg_pieces)
     return plan
+

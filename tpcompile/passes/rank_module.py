@@ -7,7 +7,7 @@ import torch
 from torch import fx, nn
 from torch.fx import GraphModule
 
-from tpcompile.passes.pass_context import PassContext
+from tpcompile.passes.decisions import Decisions
 from tpcompile.placement import rank_pieces, slice_shape
 
 
@@ -21,24 +21,24 @@ def local_tensor(t: torch.Tensor, sl: Any, rank: int, ws: int) -> torch.Tensor:
     return out
 
 
-def build_rank_module(gm: GraphModule, ctx: PassContext, rank: int, graph: fx.Graph) -> GraphModule:
+def build_rank_module(gm: GraphModule, plan: Decisions, rank: int, graph: fx.Graph) -> GraphModule:
     """Wrap the rank graph with this rank's parameters (tied ones kept as one object), buffers and constants."""
     root = nn.Module()
     made: dict[int, torch.Tensor] = {}
     params = dict(gm.named_parameters(remove_duplicate=False))
-    for name, t in ctx.tensors.items():
+    for name, t in plan.tensors.items():
         if id(t) not in made:
-            local = local_tensor(t, ctx.slice_for(name), rank, ctx.world_size)
+            local = local_tensor(t, plan.slice_for(name), rank, plan.world_size)
             made[id(t)] = nn.Parameter(local, requires_grad=t.requires_grad) if name in params else local
         _set(root, name, made[id(t)], is_param=name in params)
     for name, mod in gm.named_children():
-        if not any(k.startswith(name + ".") for k in ctx.tensors):
+        if not any(k.startswith(name + ".") for k in plan.tensors):
             setattr(root, name, mod)
     for node in graph.nodes:  # a region's body as this rank runs it (passes/rewrite_regions.py)
         if node.op == "get_attr" and "tp_body" in node.meta:
             _set(root, node.target, node.meta["tp_body"], is_param=False, constant=True)
     for node in graph.nodes:  # tensor literals of forward (torch.export lifts them to attributes): replicated
-        if node.op == "get_attr" and node.target not in ctx.tensors and not _has(root, node.target):
+        if node.op == "get_attr" and node.target not in plan.tensors and not _has(root, node.target):
             _set(root, node.target, _get(gm, node.target), is_param=False, constant=True)
     out = GraphModule(root, graph, class_name=f"ShardedRank{rank}")
     for attr in ("_in_spec", "_out_spec"):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import fx
@@ -10,7 +10,8 @@ from torch.fx import GraphModule, Node
 
 import tpcompile.ops  # noqa: F401  (registers torch.ops.tpcompile.* and tpcompile_rng.*)
 from tpcompile.ops.schedule import collective_name
-from tpcompile.passes.pass_context import PassContext, internal_error
+from tpcompile.passes.decisions import Decisions
+from tpcompile.passes.pass_context import internal_error
 from tpcompile.passes.pending_sums import reduce_site, sum_paths
 from tpcompile.passes.rank_module import build_rank_module
 from tpcompile.passes.rewrite_dropout import (emit_dropout, emit_sdpa_with_dropout, is_idle_dropout, is_live_dropout,
@@ -30,8 +31,8 @@ tp = torch.ops.tpcompile
 class _Emitter:
     """Builds the rank graph node by node, inserting each collective once per value."""
 
-    def __init__(self, gm: GraphModule, ctx: PassContext, rank: int) -> None:
-        self.gm, self.ctx, self.rank, self.ws = gm, ctx, rank, ctx.world_size
+    def __init__(self, gm: GraphModule, plan: Decisions, rank: int) -> None:
+        self.gm, self.plan, self.rank, self.ws = gm, plan, rank, plan.world_size
         self.graph = fx.Graph()
         self.graph._codegen = gm.graph._codegen  # pytree in/out specs, read-only
         self.env: dict[Node, Node] = {}
@@ -46,16 +47,24 @@ class _Emitter:
             node.meta["tp_shape"] = self.input_shape(args[0])  # compared across ranks by verify_rank
         return node
 
+    def copy(self, node: Node, lookup: Callable[[Node], Node]) -> Node:
+        """The source node itself in the rank graph, its arguments looked up; it keeps the source's meta and
+        the placement of the value it holds (`tp_placement`, from the frozen plan)."""
+        new = self.graph.node_copy(node, lookup)
+        if self.plan.placement(node) is not None:
+            new.meta["tp_placement"] = self.plan.placement(node)
+        return new
+
     def input_shape(self, x: Node) -> Optional[tuple[str, ...]]:
         """This rank's shape of a collective's input, as expressions (None when unknown)."""
         src = self.sources.get(x)
         if src is not None and src.op == "get_attr":
-            t = self.ctx.tensors.get(src.target)
+            t = self.plan.tensors.get(src.target)
             if t is None:
                 return None
-            return shape_key(slice_shape(t.shape, self.ctx.slice_for(src.target), self.ws))
+            return shape_key(slice_shape(t.shape, self.plan.slice_for(src.target), self.ws))
         # not a source's value: the partial sum of the op being rewritten (row split, vocabulary), full size
-        p = src.meta.get("tp_placement") if src is not None else None
+        p = self.plan.placement(src) if src is not None else None
         val = (src if src is not None else self.current).meta.get("val")
         if not isinstance(val, torch.Tensor) or isinstance(p, tuple):
             return None
@@ -63,7 +72,7 @@ class _Emitter:
 
     def converted(self, w: Want) -> Node:
         """The new-graph value of an input, redistributed to what the consuming op wants."""
-        have, src = w.node.meta.get("tp_placement"), self.env[w.node]
+        have, src = self.plan.placement(w.node), self.env[w.node]
         if isinstance(have, Partial) and not isinstance(w.placement, Partial):  # the pending sum, reduced once
             have, src = REPLICATE, self._reduce_pending(w.node, src)
         if is_seq(have) and isinstance(w.placement, Replicate) and have.outer is not None:  # (B*T, C) tokens
@@ -75,7 +84,7 @@ class _Emitter:
             # region entry under sequence parallelism: gather the tokens; a split consumer's
             # gradient is partial, so it is reduce-scattered back (all_gather's backward)
             op = tp.all_gather.default if w.grad_sync else tp.all_gather_replicated.default
-            return self._once((op, w.node), op, src, have.dim, self.ctx.group)
+            return self._once((op, w.node), op, src, have.dim, self.plan.group)
         shared = cut_from_shared(have, w.placement)  # its gradient is summed where the shared piece is made
         if shared or isinstance(have, Replicate) and isinstance(w.placement, Shard) and not w.placement.plain:
             key = ("slice", w.node, w.placement)  # segments, pieces, batch x heads: this rank's runs, no communication
@@ -85,17 +94,17 @@ class _Emitter:
             return self.cache[key]
         if isinstance(have, Replicate) and isinstance(w.placement, Shard):
             return self._once(("scatter", w.node, w.placement.dim), tp.scatter.default,
-                              src, w.placement.dim, self.ctx.group)
+                              src, w.placement.dim, self.plan.group)
         if w.grad_sync and isinstance(have, Replicate):
-            return self._once(("grad_all_reduce", w.node), tp.grad_all_reduce.default, src, self.ctx.group)
+            return self._once(("grad_all_reduce", w.node), tp.grad_all_reduce.default, src, self.plan.group)
         return src
 
     def _reduce_pending(self, value: Node, src: Node) -> Node:
         """The all-reduce of a pending sum, attributed (module path, stack) to the op that left it pending or to its
         first summand (passes/pending_sums.py); its meta names the modules whose splits made the sum."""
-        consumer, self.current = self.current, reduce_site(value)
-        out = self._once(("reduce", value), tp.all_reduce.default, src, self.ctx.group)
-        self.current, out.meta["tp_sum_of"] = consumer, sum_paths(value)
+        consumer, self.current = self.current, reduce_site(value, self.plan)
+        out = self._once(("reduce", value), tp.all_reduce.default, src, self.plan.group)
+        self.current, out.meta["tp_sum_of"] = consumer, sum_paths(value, self.plan)
         return out
 
     def _once(self, key: tuple, target: Any, *args: Any) -> Node:
@@ -104,14 +113,15 @@ class _Emitter:
         return self.cache[key]
 
 
-def rewrite_pass(gm: GraphModule, ctx: PassContext, rank: int) -> GraphModule:
+def rewrite_pass(gm: GraphModule, plan: Decisions, rank: int) -> GraphModule:
     """Return rank `rank`'s GraphModule: same inputs and outputs as the model, local weights."""
-    return build_rank_module(gm, ctx, rank, rewrite_graph(gm, ctx, rank))
+    return build_rank_module(gm, plan, rank, rewrite_graph(gm, plan, rank))
 
 
-def rewrite_graph(gm: GraphModule, ctx: PassContext, rank: int) -> fx.Graph:
-    """Rank `rank`'s graph alone, without slicing any weights (what the verifier compares)."""
-    em = _Emitter(gm, ctx, rank)
+def rewrite_graph(gm: GraphModule, plan: Decisions, rank: int) -> fx.Graph:
+    """Rank `rank`'s graph alone, without slicing any weights (what the verifier compares), from the captured
+    graph and the frozen plan."""
+    em = _Emitter(gm, plan, rank)
     for node in gm.graph.nodes:
         try:
             _rewrite_node(em, node)
@@ -124,10 +134,11 @@ def rewrite_graph(gm: GraphModule, ctx: PassContext, rank: int) -> fx.Graph:
 
 Lookup = Callable[[Node], Node]  # a source node -> its value in the rank graph, converted as the op wants
 Emit = Callable[["_Emitter", Node, Lookup], Optional[Node]]  # emits the replacement; None emits nothing
+Match = Callable[[Decisions, Node], bool]  # whether a row of REWRITES applies to a node
 
 
-def _role(role: str) -> Callable[[Node], bool]:
-    return lambda node: node.meta["tp_layout"].role == role
+def _role(role: str) -> Match:
+    return lambda plan, node: plan.layout(node).role == role
 
 
 def _is_sdpa_with_dropout(node: Node) -> bool:
@@ -136,11 +147,11 @@ def _is_sdpa_with_dropout(node: Node) -> bool:
 
 def _emit_copy(em: "_Emitter", node: Node, lookup: Lookup) -> Node:
     """The op itself on the rank's values, its size literals made local."""
-    new = em.graph.node_copy(node, lookup)
-    layout = node.meta["tp_layout"]
+    new = em.copy(node, lookup)
+    layout = em.plan.layout(node)
     if layout.localize:
-        new.args = _localize(em, new, layout.localize)
-    if isinstance(node.meta.get("tp_placement"), (Shard, tuple)):
+        new.args = _localize(em, new, layout.localize, em.plan.placement(node))
+    if isinstance(em.plan.placement(node), (Shard, tuple)):
         new.meta.pop("val", None)
         new.meta.pop("tensor_meta", None)
         new.kwargs = {k: v for k, v in new.kwargs.items() if k != "output_size"}  # repeat_interleave's whole size
@@ -148,36 +159,36 @@ def _emit_copy(em: "_Emitter", node: Node, lookup: Lookup) -> Node:
 
 
 # What happens to each call_function node, first match wins: (matches, emits).
-REWRITES: list[tuple[Callable[[Node], bool], Emit]] = [
+REWRITES: list[tuple[Match, Emit]] = [
     (_role("row"), lambda em, node, lookup: _emit_row(em, node, lookup)),  # local matmul, all-reduce, bias once
     (_role("vocab"), emit_vocab),  # own rows, zero the rest, all-reduce (or the sum left pending)
     (_role("owned"), emit_owned),  # one row of a split table: its rank's, zeros elsewhere (a pending sum)
-    (is_stats, emit_stats),  # a reduction or norm over the split dim: partial statistics, one small collective
+    (lambda plan, node: is_stats(node, plan), emit_stats),  # a reduction or norm over the split dim: partial statistics, one small collective
     # cond / map / an autocast region: its bodies rewritten for this rank
-    (is_region, lambda em, node, lookup: emit_region(em, node, lookup, _rewrite_node)),
-    (lambda n: _stale_metadata_assert(n), lambda em, node, lookup: None),  # asserts a sharded tensor's global size
-    (is_idle_dropout, lambda em, node, lookup: lookup(node.args[0])),  # off (eval, p = 0): the identity, no op
-    (is_live_dropout, emit_dropout),  # mask from each element's position in the whole tensor (ops/rng.py)
-    (_is_sdpa_with_dropout, emit_sdpa_with_dropout),  # attention spelled out, its probabilities masked alike
-    (lambda node: True, _emit_copy),  # everything else: the same op on local values
+    (lambda plan, node: is_region(node), lambda em, node, lookup: emit_region(em, node, lookup, _rewrite_node)),
+    (lambda plan, node: _stale_metadata_assert(plan, node), lambda em, node, lookup: None),  # asserts a sharded tensor's global size
+    (lambda plan, node: is_idle_dropout(node), lambda em, node, lookup: lookup(node.args[0])),  # off: no op
+    (lambda plan, node: is_live_dropout(node), emit_dropout),  # mask from each element's place in the whole
+    (lambda plan, node: _is_sdpa_with_dropout(node), emit_sdpa_with_dropout),  # attention spelled out, masked
+    (lambda plan, node: True, _emit_copy),  # everything else: the same op on local values
 ]
 
 
 def _rewrite_node(em: _Emitter, node: Node) -> None:
     """Emit the rank-local replacement of one node: inputs converted as its layout wants, then its row."""
     em.current = node
-    layout = node.meta.get("tp_layout")
+    layout = em.plan.layout(node)
     if node.op == "output":
         _emit_output(em, node, layout.gather_output)
         return
     if layout is None or node.op != "call_function":
-        em.env[node] = em.graph.node_copy(node, lambda n: em.env[n])
+        em.env[node] = em.copy(node, lambda n: em.env[n])
         return
     repl = {w.node: em.converted(w) for w in layout.wants}
     if layout.role in ("column", "channels"):  # a grouped convolution's kernel is cut like its channels
         repl.update(_piece_params(em, node))
     lookup: Lookup = lambda n: repl.get(n, em.env[n])  # noqa: E731
-    emit = next(emit for matches, emit in REWRITES if matches(node))
+    emit = next(emit for matches, emit in REWRITES if matches(em.plan, node))
     new = emit(em, node, lookup)
     if new is not None:
         em.env[node] = new
@@ -190,7 +201,7 @@ def _piece_params(em: _Emitter, node: Node) -> dict[Node, Node]:
         p, transposed = weight_view(arg)
         behind = param_behind(arg, 0, depth=5) if p is None else None  # a kernel viewed as `w.squeeze(1)`
         at, p = (arg, behind[0]) if behind is not None and behind[1] == 0 else (p, p)  # summed at the view's dim 0
-        sl = em.ctx.slice_for(p.target) if p is not None else None
+        sl = em.plan.slice_for(p.target) if p is not None else None
         if sl is not None and (sl.pieces or sl.seg_pieces):
             if ("pieces", at) not in em.cache:
                 em.cache[("pieces", at)] = _summed_pieces(em, em.env[at], sl)
@@ -204,21 +215,21 @@ def _summed_pieces(em: _Emitter, w: Node, sl: Any) -> Node:
     """The weight, its gradient summed over the ranks sharing each piece (per segment for a fused q|k|v)."""
     piece = torch.ops.tpcompile.grad_piece_all_reduce.default
     if not sl.seg_pieces:
-        return em.call(piece, w, sl.dim, sl.pieces, em.ctx.group)
+        return em.call(piece, w, sl.dim, sl.pieces, em.plan.group)
     sizes = local_sizes(sl.segments, sl.seg_pieces, em.ws, sl.padded)
     parts = em.call(aten.split_with_sizes.default, w, sizes, sl.dim)
     runs = [em.call(operator.getitem, parts, k) for k in range(len(sizes))]
-    runs = [em.call(piece, r, sl.dim, g, em.ctx.group) if g < em.ws else r for r, g in zip(runs, sl.seg_pieces)]
+    runs = [em.call(piece, r, sl.dim, g, em.plan.group) if g < em.ws else r for r, g in zip(runs, sl.seg_pieces)]
     return em.call(aten.cat.default, runs, sl.dim)
 
 
 def _emit_output(em: _Emitter, node: Node, gather: bool) -> None:
     def fix(n: Node) -> Node:
-        p = n.meta.get("tp_placement")
+        p = em.plan.placement(n)
         if isinstance(p, Partial):
-            return em._once(("reduce", n), tp.all_reduce.default, em.env[n], em.ctx.group)
+            return em._once(("reduce", n), tp.all_reduce.default, em.env[n], em.plan.group)
         if isinstance(p, Shard) and gather:
-            out = em._once(("gather", n), tp.all_gather_replicated.default, em.env[n], p.dim, em.ctx.group)
+            out = em._once(("gather", n), tp.all_gather_replicated.default, em.env[n], p.dim, em.plan.group)
             if p.padded is not None:  # drop the zero padding past the real size
                 out = em._once(("unpad", n), aten.slice.Tensor, out, p.dim, 0, int(n.meta["val"].shape[p.dim]))
             return out
@@ -228,9 +239,9 @@ def _emit_output(em: _Emitter, node: Node, gather: bool) -> None:
 
 def _emit_row(em: _Emitter, node: Node, lookup: Callable[[Node], Node]) -> Node:
     """Row split: local matmul without bias, one all-reduce, then the bias once (or the sum left pending)."""
-    if isinstance(node.meta.get("tp_placement"), Partial):  # reduced where a later op needs the whole value
+    if isinstance(em.plan.placement(node), Partial):  # reduced where a later op needs the whole value
         return _emit_copy(em, node, lookup)
-    spec = node.meta["tp_rule"]
+    spec = em.plan.rule(node)
     x, w = lookup(node.args[spec.get("input")]), lookup(node.args[spec.get("weight")])
     bi = spec.get("bias")
     bias = node.args[bi] if bi is not None and bi < len(node.args) else None
@@ -249,18 +260,18 @@ def _emit_row(em: _Emitter, node: Node, lookup: Callable[[Node], Node]) -> Node:
     return em.call(aten.add.Tensor, y, b)
 
 
-def _localize(em: _Emitter, node: Node, locs: list[tuple]) -> tuple:
-    """Divide each named size (a literal, or a run-time size) by the ranks that split it."""
+def _localize(em: _Emitter, node: Node, locs: Sequence[tuple], p: Any) -> tuple:
+    """Divide each named size (a literal, or a run-time size) of the rank graph's `node`, placed `p`, by the ranks
+    that split it."""
     args = list(node.args)
     for kind, i, pos, divisor in locs:
-        args = _localize_one(em, node, args, kind, i, pos, divisor or em.ws)
+        args = _localize_one(em, node, args, kind, i, pos, divisor or em.ws, p)
     return tuple(args)
 
 
-def _localize_one(em: _Emitter, node: Node, args: list, kind: str, i: int, pos: int, ws: int) -> list:
+def _localize_one(em: _Emitter, node: Node, args: list, kind: str, i: int, pos: int, ws: int, p: Any) -> list:
     if kind == "shape":
         sizes = list(args[i])
-        p = node.meta.get("tp_placement")
         if isinstance(p, Shard) and p.padded is not None and p.outer is not None and ws == em.ws \
                 and (isinstance(sizes[pos], Node) or sizes[pos] != -1):  # batch x padded heads: outer x local heads
             with em.graph.inserting_before(node):
@@ -268,7 +279,6 @@ def _localize_one(em: _Emitter, node: Node, args: list, kind: str, i: int, pos: 
                 per = padded_local(p.padded, p.seg_pieces, ws)
                 sizes[pos] = outer * per if isinstance(outer, int) else em.call(operator.mul, outer, per)
         elif isinstance(sizes[pos], int) and sizes[pos] != -1:
-            p = node.meta.get("tp_placement")
             padded = getattr(p, "padded", None) if isinstance(p, Shard) else None
             local = padded_local(padded, p.seg_pieces, ws) if padded else sizes[pos] // ws
             sizes[pos] = local if ws == em.ws else sizes[pos] // ws
@@ -287,8 +297,8 @@ def _localize_one(em: _Emitter, node: Node, args: list, kind: str, i: int, pos: 
     return args
 
 
-def _stale_metadata_assert(node: Node) -> bool:
+def _stale_metadata_assert(plan: Decisions, node: Node) -> bool:
     """A metadata assertion about a sharded tensor's global size no longer holds: drop it."""
     if node.target is not aten._assert_tensor_metadata.default:
         return False
-    return node.kwargs.get("size") is not None and isinstance(node.args[0].meta.get("tp_placement"), Shard)
+    return node.kwargs.get("size") is not None and isinstance(plan.placement(node.args[0]), Shard)

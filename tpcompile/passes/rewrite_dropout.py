@@ -42,7 +42,7 @@ def is_idle_dropout(node: Node) -> bool:
 def emit_dropout(em: Any, node: Node, lookup: Callable[[Node], Node]) -> Node:
     """x * mask, each element's decision drawn from its position in the whole tensor."""
     shape = list(node.meta["val"].shape)
-    return _masked(em, lookup(node.args[0]), float(node.args[1]), node.name, shape, node.meta.get("tp_placement"))
+    return _masked(em, lookup(node.args[0]), float(node.args[1]), node.name, shape, em.plan.placement(node))
 
 
 def _masked(em: Any, x: Node, p: float, site: str, shape: Sequence[Any], placement: Any) -> Node:
@@ -156,7 +156,7 @@ def emit_sdpa_with_dropout(em: Any, node: Node, lookup: Callable[[Node], Node]) 
     probs = em.call(aten.softmax.int, scores, -1)
     q_shape, k_shape = list(a["query"].meta["val"].shape), list(a["key"].meta["val"].shape)
     shape = q_shape[:-1] + [k_shape[-2]]
-    placement = node.meta.get("tp_placement")
+    placement = em.plan.placement(node)
     if isinstance(placement, Shard) and placement.dim == len(shape) - 1:  # the value's features: probs are whole
         placement = REPLICATE
     probs = _masked(em, probs, sdpa_dropout(node), node.name, shape, placement)

@@ -40,7 +40,7 @@ def emit_region(em: Any, node: Node, lookup: Callable[[Node], Node], rewrite_nod
 
 def rank_body(em: Any, body: GraphModule, rewrite_node: RewriteNode) -> GraphModule:
     """The body as rank em.rank runs it (its nested regions rewritten too), built by an emitter like em's."""
-    sub = type(em)(body, em.ctx, em.rank)
+    sub = type(em)(body, em.plan, em.rank)
     for bn in body.graph.nodes:
         if bn.op == "output":  # the body's results as they are: the region's placements are theirs
             sub.graph.output(fx.node.map_arg(bn.args[0], lambda n: sub.env[n]))

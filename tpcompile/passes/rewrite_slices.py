@@ -38,10 +38,10 @@ def local_slice(em: Any, src: Node, node: Node, p: Shard, sync: bool = True, pie
         n = int(to_size(val.shape[p.dim])) // em.ws
         return em.call(aten.narrow.default, src, p.dim, em.rank % (em.ws // piece.pieces) * n, n)
     if p.seq and p.outer is not None:  # tokens of every sequence: tpcompile.scatter on the (B, T, ...) view
-        x = em.call(tp.scatter.default, unflat_tokens(em, src, p), p.dim + 1, em.ctx.group)
+        x = em.call(tp.scatter.default, unflat_tokens(em, src, p), p.dim + 1, em.plan.group)
         return em.call(aten.flatten.using_ints, x, p.dim, p.dim + 1)
     if sync and (val.is_floating_point() or val.is_complex()):
-        src = em.call(tp.grad_all_reduce.default, src, em.ctx.group)
+        src = em.call(tp.grad_all_reduce.default, src, em.plan.group)
     size = to_size(val.shape[p.dim])
     if p.padded is not None:  # this rank's block of the value zero-padded to p.padded (empty past the end)
         n, block = int(size), p.padded // em.ws
@@ -97,23 +97,23 @@ def _tokens_shape(node: Node, p: Shard, rank_tokens: bool, ws: int) -> tuple:
 
 def reduce_scatter_tokens(em: Any, node: Node, y: Node, p: Shard) -> Node:
     """A row split's (B*T, C) sum reduce-scattered by tokens on its (B, T, C) view, flattened back."""
-    out = em.call(tp.reduce_scatter.default, unflat_tokens(em, y, p), p.dim + 1, em.ctx.group)
+    out = em.call(tp.reduce_scatter.default, unflat_tokens(em, y, p), p.dim + 1, em.plan.group)
     out.meta["tp_shape"] = _tokens_shape(node, p, False, em.ws)
     return em.call(aten.flatten.using_ints, out, p.dim, p.dim + 1)
 
 
 def gather_tokens(em: Any, src: Node, node: Node, p: Shard, op: Any) -> Node:
     """Every rank's tokens of a (B*T', C) token split gathered on its (B, T', C) view, flattened back."""
-    out = em.call(op, unflat_tokens(em, src, p), p.dim + 1, em.ctx.group)
+    out = em.call(op, unflat_tokens(em, src, p), p.dim + 1, em.plan.group)
     out.meta["tp_shape"] = _tokens_shape(node, p, True, em.ws)
     return em.call(aten.flatten.using_ints, out, p.dim, p.dim + 1)
 
 
 def reduce_partial(em: Any, node: Node, y: Node) -> Node:
     """Sum the ranks' partial results: all-reduce, or reduce-scatter by tokens under SP."""
-    p = node.meta.get("tp_placement")
+    p = em.plan.placement(node)
     if is_seq(p) and p.outer is not None:  # (B*T, C): reduce-scattered on its (B, T, C) view
         return reduce_scatter_tokens(em, node, y, p)
     if is_seq(p):
-        return em.call(tp.reduce_scatter.default, y, p.dim, em.ctx.group)
-    return em.call(tp.all_reduce.default, y, em.ctx.group)
+        return em.call(tp.reduce_scatter.default, y, p.dim, em.plan.group)
+    return em.call(tp.all_reduce.default, y, em.plan.group)

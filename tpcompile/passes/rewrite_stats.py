@@ -26,9 +26,9 @@ tp = torch.ops.tpcompile
 Lookup = Callable[[Node], Node]
 
 
-def is_stats(node: Node) -> bool:
-    """A node whose rule chose partial statistics."""
-    return node.meta["tp_layout"].role == "stats"
+def is_stats(node: Node, plan: Any) -> bool:
+    """A node whose rule chose partial statistics (in the frozen plan `plan`)."""
+    return plan.layout(node).role == "stats"
 
 
 class _Ops:
@@ -37,11 +37,11 @@ class _Ops:
     def __init__(self, em: Any, node: Node) -> None:
         self.em, self.node = em, node
         self.x = node.args[0]
-        self.p = self.x.meta["tp_placement"]
+        self.p = em.plan.placement(self.x)
         val = self.x.meta["val"]
         self.local = list(local_shape(val.shape, self.p, em.rank, em.ws))
         self.work = torch.float64 if val.dtype == torch.float64 else torch.float32
-        self.ws, self.group = em.ws, em.ctx.group
+        self.ws, self.group = em.ws, em.plan.group
 
     def call(self, op: Any, *args: Any, **kw: Any) -> Node:
         return self.em.call(op, *args, **kw)
@@ -64,16 +64,16 @@ class _Ops:
 
 def emit_stats(em: Any, node: Node, lookup: Lookup) -> Node:
     """The rank-local replacement of a reduction or normalisation over the split dim."""
-    rule = node.meta["tp_rule"].rule
+    rule = em.plan.rule(node).rule
     return {"reduce": _reduce, "norm": _norm, "softmax": _softmax}[rule](_Ops(em, node), node, lookup)
 
 
 def _reduce(o: _Ops, node: Node, lookup: Lookup) -> Node:
-    spec = node.meta["tp_rule"]
+    spec = o.em.plan.rule(node)
     combine = spec.get("combine")
     if combine in ("var", "std"):
         return _variance(o, node, lookup, combine)
-    local = o.em.graph.node_copy(node, lookup)  # the op itself on this rank's slice
+    local = o.em.copy(node, lookup)  # the op itself on this rank's slice
     local.meta.pop("val", None)
     if combine in ("sum", "mean"):
         out = o.call(tp.all_reduce.default, local, o.group)
@@ -118,7 +118,7 @@ def _variance(o: _Ops, node: Node, lookup: Lookup, combine: str) -> Node:
     out = o.call(aten.div.Scalar, m2, max(total - _correction(node), 0.0))
     if combine == "std":
         out = o.call(aten.sqrt.default, out)
-    if not keepdim(node, node.meta["tp_rule"]):
+    if not keepdim(node, o.em.plan.rule(node)):
         out = o.call(aten.squeeze.dim, out, d)
     return o.cast(out)
 

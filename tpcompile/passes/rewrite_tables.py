@@ -20,7 +20,7 @@ Lookup = Callable[[Node], Node]  # a source node -> its value in the rank graph,
 def emit_vocab(em: Any, node: Node, lookup: Lookup) -> Node:
     """Vocabulary split: look up only this rank's rows, zero the rest; one all-reduce, or the sum left pending."""
     w, idx = lookup(node.args[0]), lookup(node.args[1])
-    sl = em.ctx.slice_for(node.args[0].target)
+    sl = em.plan.slice_for(node.args[0].target)
     rows_in_model = int(node.args[0].meta["val"].shape[0])
     idx = em.call(check_token_ids, idx, rows_in_model, describe(node))  # the original raises on such ids
     vocab = sl.padded or rows_in_model
@@ -31,14 +31,14 @@ def emit_vocab(em: Any, node: Node, lookup: Lookup) -> Node:
     pad = pad - start if start <= pad < stop else -1
     rows = em.call(aten.embedding.default, w, local, pad, *node.args[3:])
     rows = em.call(aten.masked_fill.Scalar, rows, em.call(aten.unsqueeze.default, outside, -1), 0.0)
-    return rows if isinstance(node.meta.get("tp_placement"), Partial) else reduce_partial(em, node, rows)  # or pending
+    return rows if isinstance(em.plan.placement(node), Partial) else reduce_partial(em, node, rows)  # or pending
 
 
 def emit_owned(em: Any, node: Node, lookup: Lookup) -> Node:
     """One entry along a dim split in even blocks (zero-padded or not): the rank whose block holds it selects it,
     the others give zeros of its shape; the sum stays pending (sharding_rules/slicing.select)."""
     x, dim, index = node.args[0], node.args[1], node.args[2]
-    shape, p = x.meta["val"].shape, x.meta["tp_placement"]
+    shape, p = x.meta["val"].shape, em.plan.placement(x)
     dim = dim % len(shape)
     index = index % int(shape[dim])
     block = (p.padded or int(shape[dim])) // em.ws

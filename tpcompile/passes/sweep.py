@@ -29,9 +29,9 @@ SEED_ROLES = ("column", "vocab")  # the roles that start a split (a row split en
 _INPUT_LIKE = ("reshape", "pointwise", "expand", "slice", "select", "write_into")
 
 
-def seed_path(node: Node) -> Optional[str]:
-    """The module path of a weight op (matmul with a parameter, embedding), else None."""
-    spec = node.meta.get("tp_rule")
+def seed_path(node: Node, decided: Any = None) -> Optional[str]:
+    """The module path of a weight op (matmul with a parameter, embedding), else None (read off a frozen plan)."""
+    spec = node.meta.get("tp_rule") if decided is None else decided.rule(node)
     if node.op != "call_function" or spec is None or spec.rule not in SEED_RULES:
         return None
     return spec.get("owner")  # written by annotate

@@ -1,7 +1,7 @@
 """Verify pass (after propagate): the ranks' slices of every split parameter lie in bounds and tile it,
 and every read of a split parameter is one planned for the split.
 
-It reads only what propagate decided (ctx.param_slices, node.meta['tp_layout']), so it costs a
+It reads only what propagate decided (the frozen plan, passes/decisions.py), so it costs a
 walk over the parameters and their readers and no tensor work. A violation is a compiler bug, never a user error, so the
 messages name the parameter and ask for a report; the way around it until then is to
 replicate the module involved. The rank graphs are checked by verify_ranks.py.
@@ -13,35 +13,36 @@ from typing import Any
 from torch.fx import GraphModule, Node
 
 from tpcompile.errors import TPCompileError
-from tpcompile.passes.pass_context import PassContext, describe, owner_path
+from tpcompile.passes.decisions import Decisions
+from tpcompile.passes.pass_context import describe, owner_path
 from tpcompile.placement import padded_segment_runs, segment_ranges, slice_placement
 
 REPORT = "this is a tpcompile bug; please report it with the model"
 
 
-def verify_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
+def verify_pass(gm: GraphModule, decided: Decisions) -> GraphModule:
     """Check that the ranks' slices of each split parameter tile it, and that every read of it is planned."""
-    for name, sl in ctx.param_slices.items():
+    for name, sl in decided.cuts.items():
         if sl is not None:
-            check_tiling(name, tuple(ctx.tensors[name].shape), sl, ctx.world_size)
+            check_tiling(name, tuple(decided.tensors[name].shape), sl, decided.world_size)
     for node in gm.graph.nodes:
-        if node.op == "get_attr" and ctx.slice_for(node.target) is not None:
-            check_reads(node, ctx)
+        if node.op == "get_attr" and decided.slice_for(node.target) is not None:
+            check_reads(node, decided)
     return gm
 
 
-def check_reads(param: Node, ctx: PassContext) -> None:
+def check_reads(param: Node, decided: Decisions) -> None:
     """Every reader of a split parameter is a weight op that cut it, or an op planned for the split value.
 
     A reader that would see the rank's slice while expecting the whole parameter (a tied head
     written `h @ W.t()`, a norm of the weight, the weight returned) is a wrong result on every
     rank; propagation places or replicates such reads, and this proves it did.
     """
-    sl = ctx.slice_for(param.target)
+    sl = decided.slice_for(param.target)
     split = slice_placement(sl)
-    seeds = frozenset().union(*(ctx.param_seeds.get(n, frozenset()) for n in ctx.aliases(param.target)))
+    seeds = frozenset().union(*(decided.seeds.get(n, frozenset()) for n in decided.aliases(param.target)))
     for user in param.users:
-        layout = user.meta.get("tp_layout")
+        layout = decided.layout(user)
         if user in seeds or layout is None:
             continue
         if user.op == "output" and split.plain:  # gathered, or kept split as the plan asks

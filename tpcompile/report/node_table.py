@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from torch.fx import GraphModule, Node
 
@@ -21,7 +21,7 @@ class NodeInfo:
     name: str
     op: str  # fx opcode
     target: str  # short target: 'aten.linear.default', 'tpcompile.all_reduce', a parameter path
-    placement: str  # str of node.meta['tp_placement'], '' where absent
+    placement: str  # str of the node's placement (the frozen plan's, or a rank node's tp_placement), '' where none
     kind: str  # input | param | size | output | collective | replicated | shard | partial | other
     shape: str  # from a traced forward, '' where unknown
     module: str  # innermost nn.Module path the node was traced in
@@ -40,9 +40,8 @@ def target_name(node: Node) -> str:
     return getattr(t, "__name__", str(t))
 
 
-def placement_text(node: Node) -> str:
-    """The node's tp_placement as text ('R', 'S(2)', a tuple for multi-output ops)."""
-    p = node.meta.get("tp_placement")
+def placement_text(p: Any) -> str:
+    """A placement as text ('R', 'S(2)', a tuple for multi-output ops; '' for none)."""
     if p is None:
         return ""
     if isinstance(p, tuple):
@@ -50,8 +49,8 @@ def placement_text(node: Node) -> str:
     return str(p)
 
 
-def _kind(node: Node) -> str:
-    """Which colour class the node belongs to."""
+def _kind(node: Node, p: Any) -> str:
+    """Which colour class the node (placed `p`) belongs to."""
     if node.op == "placeholder":
         return "input"
     if node.op == "get_attr":
@@ -62,7 +61,6 @@ def _kind(node: Node) -> str:
         return "collective"
     if any(collective_op(u) in _REDUCING for u in node.users):
         return "partial"
-    p = node.meta.get("tp_placement")
     parts = p if isinstance(p, tuple) else (p,)
     if any(isinstance(x, Shard) for x in parts):
         return "shard"
@@ -82,17 +80,21 @@ def _is_size(node: Node, sizes: set[str]) -> bool:
             and bool(node.all_input_nodes) and all(i.name in sizes for i in node.all_input_nodes))
 
 
-def node_infos(gm: GraphModule, shapes: Optional[dict[str, str]] = None) -> list[NodeInfo]:
-    """One NodeInfo per node of gm, in graph order; shapes from a Trace where given."""
+def node_infos(gm: GraphModule, shapes: Optional[dict[str, str]] = None,
+               placement: Optional[Callable[[Node], Any]] = None) -> list[NodeInfo]:
+    """One NodeInfo per node of gm, in graph order; shapes from a Trace where given; placements from `placement`
+    (the frozen plan's, for the captured graph), else the nodes' own `tp_placement` (a rank graph's)."""
+    placement = placement or (lambda n: n.meta.get("tp_placement"))
     shapes = shapes or {}
     sizes: set[str] = set()
     params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
     out = []
     for n in gm.graph.nodes:
-        kind = "size" if _is_size(n, sizes) else _kind(n)
+        p = placement(n)
+        kind = "size" if _is_size(n, sizes) else _kind(n, p)
         if kind == "size":
             sizes.add(n.name)
-        out.append(NodeInfo(n.name, n.op, target_name(n), placement_text(n), kind, shapes.get(n.name, ""),
+        out.append(NodeInfo(n.name, n.op, target_name(n), placement_text(p), kind, shapes.get(n.name, ""),
                             _module(n), tuple(i.name for i in n.all_input_nodes),
                             n.op == "get_attr" and str(n.target) in params))
     return out

@@ -3,10 +3,10 @@
 For each degree the captured graph goes through tpcompile's passes (`shard_captured`, the
 plan shard() would make) and rank 0's graph is rewritten (the graph alone, as the rank
 verifier's reference is: no GraphModule, no weight slices); costs are read from what they wrote:
-node.meta['tp_placement'] says which matmuls and activations are split, the plan gives each
-parameter's per-rank shape, and each collective node carries its per-rank input shape
-(node.meta['tp_shape']). The passes run on the one captured graph, one degree after another;
-everything needed is copied out before the next degree overwrites the meta keys.
+the frozen plan (`ShardedModel.decisions`) says which matmuls and activations are split, the plan
+gives each parameter's per-rank shape, and each collective node carries its per-rank input shape
+(node.meta['tp_shape']). The passes run on the one captured graph, one degree after another; each
+degree's decision is its own frozen value, which the next degree's propagation does not touch.
 
 A *unit* is what the planner may split or replicate: the module holding a group of split
 weights (an attention or MLP module, or the block itself), or a split weight module on its own
@@ -160,8 +160,8 @@ def tp_profile(profile: ModelProfile, degree: int) -> TPProfile:
         if view:
             continue
         unit = _unit_of(path, by_path)
-        placed = _split(node.meta.get("tp_placement"))
-        split = placed or any(_split(a.meta.get("tp_placement")) for a in node.all_input_nodes)
+        placed = _split(sm.decisions.placement(node))
+        split = placed or any(_split(sm.decisions.placement(a)) for a in node.all_input_nodes)
         div = degree if split else 1
         if matmul:
             field_full, field_rank, block_field = "flops_full", "flops_rank", "flops"
