@@ -275,7 +275,8 @@ def balanced_bytes(model: torch.nn.Module, sm: Any) -> int:
         attn = any(w in n.lower() for w in ("attn", "attention"))
         head_dim = head_dim_of(n)
         rest = math.prod(shape) // shape[pp.dim]
-        for seg in pp.segments or (shape[pp.dim],):
+        # a kv group's query heads cut among the ranks sharing its kv head (`cuts`): the groups are one projection
+        for seg in (shape[pp.dim],) if pp.cuts else pp.segments or (shape[pp.dim],):
             unit = head_dim if attn and head_dim and seg % head_dim == 0 else 1
             total += -(-seg // unit // ws) * unit * rest * item
     return total

@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence, Union
 from tpcompile.layouts import dim_layout
 
 Padding = Union[int, tuple[int, ...]]
+Cuts = tuple[tuple[int, ...], ...]  # per segment, world_size + 1 positions (layouts.DimLayout's Segment.cuts)
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class ParamSlice:
     padded: Optional[Padding] = None  # cut as if zero-padded to this size (per segment: a tuple of sizes)
     pieces: Optional[int] = None  # cut into this many pieces, each held by world_size/pieces ranks
     seg_pieces: Optional[tuple[int, ...]] = None  # per segment, its number of pieces (world size: split evenly)
+    cuts: Optional[Cuts] = None  # per segment, explicit per-rank cut positions (Shard.cuts)
 
 
 @dataclass(frozen=True)
@@ -53,8 +55,15 @@ class Shard:
     split_next: Optional[int] = None  # with pieces: dim+1 is split this many ways within a piece
     # per segment, how many distinct pieces it has (fused q|k|v with fewer kv heads than ranks); None: all even
     seg_pieces: Optional[tuple[int, ...]] = None
+    # with segments: per segment, world_size + 1 cut positions, rank r holding [cuts[r], cuts[r+1]) of the segment
+    # zero-padded to cuts[-1] (query heads of kv groups split within the ranks sharing each group: `group_cuts`)
+    cuts: Optional[Cuts] = None
 
     def __str__(self) -> str:
+        if self.cuts is not None:  # 'S(1|3:2.1~4+...)': a segment's size, the real part of each non-empty piece
+            segs = "+".join(f"{s}:" + ".".join(str(min(b, s) - min(a, s)) for a, b in zip(c, c[1:]) if b > a)
+                            + f"~{c[-1]}" for s, c in zip(self.segments, self.cuts))
+            return f"S({self.dim}|{segs}){'seq' if self.seq else ''}"
         seg = "" if self.segments is None else f"|{'+'.join(map(str, self.segments))}"
         if self.seg_pieces is not None:
             seg = "|" + "+".join(f"{s}/{g}" for s, g in zip(self.segments, self.seg_pieces))
@@ -67,13 +76,14 @@ class Shard:
     def plain(self) -> bool:
         """True when the dimension is one segment split evenly, without padding."""
         return ((self.segments is None or len(self.segments) == 1) and self.padded is None
-                and self.outer is None and self.pieces is None and self.seg_pieces is None)
+                and self.outer is None and self.pieces is None and self.seg_pieces is None and self.cuts is None)
 
     @property
     def plain_padded(self) -> bool:
         """True when the dimension is one segment zero-padded to a multiple of the world size and split evenly."""
         return (self.padded is not None and (self.segments is None or len(self.segments) == 1)
-                and self.outer is None and self.pieces is None and self.seg_pieces is None and not self.seq)
+                and self.outer is None and self.pieces is None and self.seg_pieces is None and not self.seq
+                and self.cuts is None)
 
 
 @dataclass(frozen=True)
@@ -199,6 +209,8 @@ def segment_ranges(size: int, segments: Optional[Sequence[int]], rank: int, worl
 
 def slice_placement(sl: ParamSlice) -> Shard:
     """The placement of a parameter cut by `sl`, as its readers see it."""
+    if sl.cuts is not None:
+        return Shard(sl.dim, sl.segments, cuts=sl.cuts)
     return Shard(sl.dim, sl.segments if sl.segments and len(sl.segments) > 1 else None, padded=sl.padded,
                  pieces=sl.pieces, seg_pieces=sl.seg_pieces)
 
@@ -209,10 +221,13 @@ def local_shape(shape: Sequence[Any], p: Any, rank: int, world_size: int) -> tup
     if not isinstance(p, Shard) or p.dim >= len(out):
         return tuple(out)
     size = out[p.dim]
-    if p.pieces:
+    if p.cuts is not None:
+        out[p.dim] = dim_layout(p, None, world_size).local_size(rank)
+    elif p.pieces:
         out[p.dim] = size // p.pieces
-        if p.split_next and p.dim + 1 < len(out):
-            out[p.dim + 1] = out[p.dim + 1] // p.split_next
+        if p.split_next and p.dim + 1 < len(out):  # a group the sharing ranks do not divide: padded, its ceil
+            nxt = out[p.dim + 1]
+            out[p.dim + 1] = -(-nxt // p.split_next) if isinstance(nxt, int) else nxt // p.split_next
     elif p.padded:  # `outer` repetitions of padded heads (batch x heads), or the padded dim once
         out[p.dim] = (1 if p.outer is None else p.outer) * dim_layout(p, None, world_size).local_size(rank)
     elif p.segments and isinstance(size, int):
@@ -225,3 +240,13 @@ def local_shape(shape: Sequence[Any], p: Any, rank: int, world_size: int) -> tup
 def shape_key(shape: Sequence[Any]) -> tuple[str, ...]:
     """A shape as expressions ('s0', 's1//2', '64'), so symbolic sizes compare as expressions."""
     return tuple(str(s) for s in shape)
+
+
+def group_cuts(groups: int, size: int, unit: int, share: int, world_size: int) -> Cuts:
+    """The cuts of `groups` segments of `size` elements (whole units of `unit`), segment k split among the `share`
+    ranks k * share ... (k + 1) * share - 1 only, each holding ceil(units / share) units (the last ones zeros): a
+    kv group's query heads split within the ranks that share its kv head (3 heads at 2 ranks: 2 | 1 and a zero
+    head)."""
+    per = -(-(size // unit) // share) * unit
+    return tuple(tuple(min(max(r - k * share, 0), share) * per for r in range(world_size + 1))
+                 for k in range(groups))

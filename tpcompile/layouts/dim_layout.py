@@ -71,7 +71,9 @@ def even_cuts(total: int, pieces: int) -> tuple[int, ...]:
 
 def dim_layout(p: Any, full: Optional[int], world_size: int) -> DimLayout:
     """The layout of a split dim of size `full` (None: not known, a padded split's padding gives the sizes) that a
-    ParamSlice or Shard `p` describes (its `segments`, `padded`, `pieces` and `seg_pieces`)."""
+    ParamSlice or Shard `p` describes (its `segments`, `padded`, `pieces`, `seg_pieces` or explicit `cuts`)."""
+    if getattr(p, "cuts", None) is not None:  # explicit: segment k cut at p.cuts[k], one piece a rank
+        return DimLayout(world_size, tuple(Segment(s, tuple(c)) for s, c in zip(p.segments, p.cuts)))
     if p.pieces:  # one segment of `pieces` pieces, each shared by world_size / pieces ranks
         return DimLayout(world_size, (Segment(full, even_cuts(full, p.pieces)),))
     counts: Sequence[int]

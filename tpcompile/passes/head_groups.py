@@ -10,6 +10,12 @@ query heads at 3, 6 or 8 ranks), there are two exact ways to split the attention
 - whole groups: kv heads zero-padded to ceil(kv / ws) a rank, the query heads padded to n_rep times that,
   so that rank r's query heads are exactly those of its kv heads.
 
+When the world size is a multiple of the kv heads (4 kv heads at 8 ranks, each shared by 2 ranks) there is a
+third way, which holds the least: each kv head in a piece of its own, and its group of query heads split among
+the ranks sharing it, zero-padded to a multiple of them (3 heads at 2 ranks: 2 | 1 and a zero head; explicit
+cuts, sharding_rules/group_cuts.py). Separate query, key and value projections are split so whenever it applies
+(the query projection's `kv_groups`, the key and value projections' pieces, the kv repeats' `pad_within`).
+
 This pass finds each attention's query, key and value projections (through the views, transposes, rotary
 embedding and kv repeats between them; one fused q|k|v projection's three segments too) and, where whole
 groups hold no more parameter bytes on the largest rank (query and output projections against key and
@@ -62,10 +68,40 @@ def mark_head_groups(gm: GraphModule, ctx: PassContext) -> None:
         if kv == 0 or heads % kv or heads == kv or kv % ws == 0 or ws % kv == 0 and heads % ws == 0:
             continue  # kv heads split evenly, or in pieces shared by the ranks of whole query heads
         rep = heads // kv
+        if not fused and ws % kv == 0:  # kv heads in pieces, each group's query heads split among its ranks
+            _split_groups(found, node, kv, ws // kv, hd, ctx)
+            continue
         groups = 2 * -(-kv // ws) * rep + 2 * -(-kv // ws)  # q and o heads, k and v heads: padded groups
         replicated = 2 * -(-heads // ws) + 2 * kv  # q and o split by heads, k and v whole
         if groups <= replicated:  # q by whole groups; k and v padded by heads, not in pieces shared by ranks
             _set_units(found, fused, (rep * hd, hd, hd))
+
+
+def _split_groups(found: list, attention: Node, kv: int, share: int, hd: int, ctx: PassContext) -> None:
+    """Each kv head in a piece of its own (held by `share` ranks), its group of query heads split among those ranks
+    and zero-padded to a multiple of them (sharding_rules/group_cuts.py), the kv repeats between the key and
+    value projections and the attention padded alike (`pad_within`)."""
+    q, k, v = found
+    spec = q.meta["tp_rule"]
+    q.meta["tp_rule"] = RuleSpec(spec.rule, {**spec.args, "kv_groups": (kv, share, hd)})
+    ctx.pieces[k] = ctx.pieces[v] = kv
+    for arg, proj in zip(attention.args[1:3], (k, v)):
+        for n in _between(arg, proj):
+            spec = n.meta.get("tp_rule")
+            if spec is not None and spec.rule == "expand":
+                n.meta["tp_rule"] = RuleSpec(spec.rule, {**spec.args, "pad_within": True})
+
+
+def _between(arg: Node, proj: Node) -> list[Node]:
+    """The nodes on the way from a projection to an attention input (walked back from the input)."""
+    todo, seen = [arg], set()
+    while todo and len(seen) < _WALK:
+        n = todo.pop()
+        if n in seen or n is proj or not isinstance(n, Node):
+            continue
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+    return list(seen)
 
 
 def _set_units(found: list, fused: bool, units: tuple) -> None:

@@ -14,7 +14,7 @@ from torch.fx import GraphModule
 from tpcompile.passes.decisions import Decisions
 from tpcompile.passes.pass_context import PassContext, describe, owner_path
 from tpcompile.passes.propagate import SEED_RULES, seed_path
-from tpcompile.placement import ParamSlice, is_seq, slice_shape
+from tpcompile.placement import Cuts, ParamSlice, is_seq, slice_shape
 from tpcompile.sharding_rules.rule_context import RuleContext, not_token_split
 
 SPLIT_ROLES = ("column", "row", "vocab", "channels")
@@ -34,11 +34,12 @@ class ParamPlan:
     padded: Optional[int] = None  # split as if zero-padded to this size along dim
     pieces: Optional[int] = None  # split into this many pieces, each shared by world_size/pieces ranks
     seg_pieces: Optional[tuple[int, ...]] = None  # per segment, its number of pieces (kv heads fewer than ranks)
+    cuts: Optional[Cuts] = None  # per segment, explicit per-rank cut positions (placement.Shard.cuts)
 
     def slice(self) -> Optional[ParamSlice]:
         """How the parameter is cut (tpcompile.placement.rank_pieces; None: whole)."""
         return None if self.dim is None else ParamSlice(self.dim, self.segments, self.padded, self.pieces,
-                                                         self.seg_pieces)
+                                                         self.seg_pieces, self.cuts)
 
 
 @dataclass
@@ -100,6 +101,6 @@ def build_plan(gm: GraphModule, decided: Decisions, ctx: PassContext) -> Plan:
         plan.parameters[name] = ParamPlan(name, role, None if sl is None else sl.dim,
                                           None if sl is None else sl.segments, tuple(t.shape), local, tied,
                                           None if sl is None else sl.padded, None if sl is None else sl.pieces,
-                                          None if sl is None else sl.seg_pieces)
+                                          None if sl is None else sl.seg_pieces, None if sl is None else sl.cuts)
     return plan
 

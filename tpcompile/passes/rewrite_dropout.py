@@ -71,6 +71,9 @@ def split_spec(em: Any, placement: Any, shape: Sequence[Any]) -> list:
         n = block // placement.pieces
         k = rank // (ws // placement.pieces)
         runs = [(k * n, (k + 1) * n)]
+    elif placement.cuts is not None:  # explicit cuts: this rank's piece of each segment, from the segment's start
+        starts = [sum(placement.segments[:i]) for i in range(len(placement.segments))]
+        runs = [(o + c[rank], o + c[rank + 1]) for o, c in zip(starts, placement.cuts) if c[rank + 1] > c[rank]]
     elif isinstance(placement.padded, tuple):  # segments each padded: this rank's block of each from its start
         starts = [sum(placement.segments[:i]) for i in range(len(placement.segments))]  # (its zeros' positions
         counts = placement.seg_pieces or [ws] * len(starts)              # run on: their values stay zero)

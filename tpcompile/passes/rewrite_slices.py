@@ -20,6 +20,7 @@ import sympy
 import torch
 from torch.fx import Node
 
+from tpcompile.layouts import dim_layout
 from tpcompile.placement import Shard, is_seq, segment_ranges
 from tpcompile.sharding_rules.rule_context import to_size
 
@@ -43,6 +44,12 @@ def local_slice(em: Any, src: Node, node: Node, p: Shard, sync: bool = True, pie
     if sync and (val.is_floating_point() or val.is_complex()):
         src = em.call(tp.grad_all_reduce.default, src, em.plan.group)
     size = to_size(val.shape[p.dim])
+    if p.cuts is not None:  # explicit cuts: this rank's piece of each segment, its padding zeros
+        pad = [0, 0] * (val.dim() - 1 - p.dim)
+        runs = [em.call(aten.constant_pad_nd.default, em.call(aten.narrow.default, src, p.dim, start, n),
+                        pad + [0, block - n], 0) for start, _, n, block in dim_layout(p, None, em.ws).runs(em.rank)
+                if block]
+        return runs[0] if len(runs) == 1 else em.call(aten.cat.default, runs, p.dim)
     if p.padded is not None:  # this rank's block of the value zero-padded to p.padded (empty past the end)
         n, block = int(size), p.padded // em.ws
         start = min(em.rank * block, n)

@@ -15,6 +15,7 @@ from torch.fx import GraphModule, Node
 from tpcompile.errors import TPCompileError
 from tpcompile.passes.decisions import Decisions
 from tpcompile.passes.pass_context import describe, owner_path
+from tpcompile.layouts import dim_layout
 from tpcompile.placement import padded_segment_runs, segment_ranges, slice_placement
 
 REPORT = "this is a tpcompile bug; please report it with the model"
@@ -64,6 +65,8 @@ def check_tiling(name: str, shape: tuple, sl: Any, world_size: int) -> None:
         raise TPCompileError(f"parameter {name} of shape {list(shape)} is split on dim {sl.dim}, which it "
                              f"does not have; {way_out}")
     size = shape[sl.dim]
+    if sl.cuts is not None:  # explicit per-rank cuts of each segment
+        return _check_cuts(name, size, sl, world_size, way_out)
     if isinstance(sl.padded, tuple):  # segments each zero-padded to its own size
         return _check_padded_segments(name, size, sl, world_size, way_out)
     full = sl.padded or size
@@ -92,6 +95,21 @@ def check_tiling(name: str, shape: tuple, sl: Any, world_size: int) -> None:
         raise TPCompileError(f"slices of parameter {name} cover {pos} of {full} along dim {sl.dim}; {way_out}")
 
 
+def _check_cuts(name: str, size: int, sl: Any, world_size: int, way_out: str) -> None:
+    """Raise unless each segment has a cut per rank, in order and past its size, every rank holds as much, and the
+    ranks' real runs tile the dim."""
+    segs, cuts = tuple(sl.segments or ()), tuple(sl.cuts)
+    if len(segs) != len(cuts) or sum(segs) != size or any(
+            len(c) != world_size + 1 or c[0] != 0 or c[-1] < s or list(c) != sorted(c) for s, c in zip(segs, cuts)):
+        raise TPCompileError(f"parameter {name}: cuts {cuts} do not fit segments {segs} of dim {sl.dim} (size "
+                             f"{size}) at world size {world_size}; {way_out}")
+    layout = dim_layout(sl, size, world_size)
+    if len({layout.local_size(r) for r in range(world_size)}) != 1:
+        raise TPCompileError(f"parameter {name}: cuts {cuts} give the ranks different sizes; {way_out}")
+    _check_cover(name, sl.dim, size, sorted((a, a + n) for r in range(world_size)
+                                            for a, _, n, _ in layout.runs(r) if n > 0), way_out)
+
+
 def _check_padded_segments(name: str, size: int, sl: Any, world_size: int, way_out: str) -> None:
     """Raise unless each segment's padding holds it, splits evenly, and the ranks' real runs tile the dim."""
     segs, pads = tuple(sl.segments or ()), tuple(sl.padded)
@@ -102,11 +120,16 @@ def _check_padded_segments(name: str, size: int, sl: Any, world_size: int, way_o
                              f"size {size} split {world_size} ways; {way_out}")
     runs = sorted({(a, a + n) for r in range(world_size)  # pieces shared by several ranks counted once
                    for a, _, n, _ in padded_segment_runs(segs, pads, r, world_size, sl.seg_pieces) if n > 0})
+    _check_cover(name, sl.dim, size, runs, way_out)
+
+
+def _check_cover(name: str, dim: int, size: int, runs: list, way_out: str) -> None:
+    """Raise unless the sorted [start, stop) runs tile [0, size) exactly once."""
     pos = 0
     for a, b in runs:
         if a != pos:
-            raise TPCompileError(f"slices of parameter {name} along dim {sl.dim} leave a gap or overlap at index "
+            raise TPCompileError(f"slices of parameter {name} along dim {dim} leave a gap or overlap at index "
                                  f"{min(a, pos)} (runs {runs}); {way_out}")
         pos = b
     if pos != size:
-        raise TPCompileError(f"slices of parameter {name} cover {pos} of {size} along dim {sl.dim}; {way_out}")
+        raise TPCompileError(f"slices of parameter {name} cover {pos} of {size} along dim {dim}; {way_out}")

@@ -14,7 +14,7 @@ from rich.table import Table
 from tpcompile.ops.collectives import CollectiveEvent
 from tpcompile.ops.schedule import FORWARD_COLLECTIVES, collective_op
 from tpcompile.passes.pass_context import module_path
-from tpcompile.placement import padded_segment_runs, padding_sizes
+from tpcompile.placement import padded_segment_runs, padding_sizes, rank_pieces
 from tpcompile.report.units import format_bytes as _bytes
 from tpcompile.report.wording import replicated_modules, short_reason, short_warning
 
@@ -80,6 +80,10 @@ def split_text(pp: Any) -> str:
         text += f" padded {'+'.join(map(str, pads))} ({'|'.join(map(str, held))})"
     if pp.pieces:
         text += f" {pp.pieces} pieces"
+    if pp.cuts:  # each rank's real part of its one piece: 'cut 16|8|16|8' (a kv group's heads split 2 | 1)
+        ws = len(pp.cuts[0]) - 1
+        held = [sum(n for _, _, n in rank_pieces(pp.slice(), pp.global_shape[pp.dim], r, ws)) for r in range(ws)]
+        text += f" cut {'|'.join(map(str, held))}"
     return text
 
 

@@ -177,7 +177,8 @@ def graph_digest(lines: list[str]) -> str:
 def plan_lines(plan: Any, overrides: Any = None, extra: Iterable[str] = ()) -> list[str]:
     """One line per parameter's split and per module's role (sorted), then the overrides and other options."""
     lines = [f"param {p.name} {p.role} dim={p.dim} segments={p.segments} {p.global_shape}->{p.local_shape} "
-             f"padded={p.padded} pieces={p.pieces} seg_pieces={p.seg_pieces}" for p in plan.parameters.values()]
+             f"padded={p.padded} pieces={p.pieces} seg_pieces={p.seg_pieces}" + (f" cuts={p.cuts}" if p.cuts else "")
+             for p in plan.parameters.values()]
     lines += [f"module {m} {role}" for m, role in sorted(plan.modules.items())]
     lines += [f"override {k} {v}" for k, v in sorted((overrides or {}).items())]
     return lines + list(extra)

@@ -10,7 +10,8 @@ last dim, is never the one split within a piece; a view whose group dim a later 
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from dataclasses import replace
+from typing import Callable, Optional, Sequence
 
 from torch.fx import Node
 
@@ -31,6 +32,20 @@ def grouped(p: Shard, one: list, m: Size, pre: Size, count: Size, outs_g: list, 
     if not isinstance(size, int) or not isinstance(nxt, int) or not 1 < size < ws or ws % size or nxt % (ws // size):
         return None
     return Shard(0, pieces=size, split_next=ws // size)
+
+
+def regroup(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: int, reshape_placement: Callable) -> Optional[int]:
+    """Fewer pieces than ranks that would make this reshape (shape.reshape_placement) work (kv heads fewer than
+    ranks)."""
+    if not p.plain:
+        return None
+    for g in range(ws // 2, 1, -1):
+        if ws % g:
+            continue
+        out, _ = reshape_placement(replace(p, pieces=g), ins, outs, ws)
+        if out is not None and isinstance(outs[out.dim], int) and outs[out.dim] < ws:
+            return g
+    return None
 
 
 _CUTS = {"split": 2, "unbind": 1, "select": 1, "slice": 1}  # rules that cut along a dim: its argument

@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 from torch.fx import Node
 
-from tpcompile.placement import PARTIAL, REPLICATE, Replicate, Shard, moved, padded_size, shard_of
+from tpcompile.placement import PARTIAL, REPLICATE, Replicate, Shard, group_cuts, moved, padded_size, shard_of
 from tpcompile.sharding_rules.pieces import piece_matmul
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Choice, ParamSlice, Result, RuleContext, Want, weight_view
@@ -42,6 +42,8 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
                                     f"whole on every rank" if wshape[out_dim] < ctx.world_size else None)
         if why:
             return Result(REPLICATE, [Want(x, REPLICATE)], role="replicated", params=params, note=why)
+        if spec.get("kv_groups") and not ctx.pieces_of(node):  # (kv heads, ranks sharing one, head size)
+            return _group_cut(node, spec, ctx, x, w, b, out_dim, params)
         segments = ctx.segment_hint(node) or (wshape[out_dim],)
         counts = head_pieces(segments, spec.get("heads"), ctx.world_size) if not spec.get("unit") \
             else [ctx.world_size] * len(segments)
@@ -74,7 +76,7 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
                       conflict=f"input holds {px.pieces} pieces shared among {ctx.world_size} ranks; a row "
                                f"split would count each piece {ctx.world_size // px.pieces} times")
     if isinstance(px, Shard) and px.dim == len(xshape) - 1 and px.outer is None:
-        params[w] = ParamSlice(in_dim, px.segments, px.padded)
+        params[w] = ParamSlice(in_dim, px.segments, px.padded, cuts=px.cuts)
         # without a bias the sum stays pending until an op needs it whole (experts summed, then reduced once)
         out = PARTIAL if not isinstance(b, Node) and not ctx.sequence_parallel else ctx.reduced(node)
         # the bias is added once, after the reduce; on token-split output its gradient is partial
@@ -87,6 +89,19 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
                       note="whole weight applied to the rank's rows of an input split on a leading dim")
     return Result(REPLICATE, [Want(x, REPLICATE)], params=params,
                   conflict=f"input is sharded on dim {px.dim}, not on the contracted dim")
+
+
+def _group_cut(node: Node, spec: RuleSpec, ctx: RuleContext, x: Node, w: Node, b: Any, out_dim: int,
+               params: dict) -> Result:
+    """A query projection whose kv groups are split within the ranks sharing each kv head (`group_cuts.py`)."""
+    kv, share, head = spec.get("kv_groups")
+    size = ctx.shape(w)[out_dim] // kv  # one group's features
+    cut = ParamSlice(out_dim, (size,) * kv, cuts=group_cuts(kv, size, head, share, ctx.world_size))
+    params[w] = cut
+    if isinstance(b, Node):
+        params[b] = replace(cut, dim=0)
+    out = Shard(len(ctx.shape(node)) - 1, cut.segments, cuts=cut.cuts)
+    return Result(out, [ctx.replicated_want(x, out)], role="column", params=params)
 
 
 def _batch_split(px: Any, xshape: Any, bias: Any) -> bool:
@@ -204,7 +219,7 @@ def sdpa(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     # whole heads per rank; heads zero-padded to a multiple of the ranks when their count does not divide
     # (the query's layout leads: keys and values laid out otherwise are blamed, so they are the ones kept whole)
     target = next((p for n in (q, k, v) if n not in one and isinstance(p := ctx.placement(n), Shard)
-                   and p.dim == 1 and (p.plain or p.plain_padded)), Shard(1))
+                   and p.dim == 1 and (p.plain or p.plain_padded or p.cuts is not None)), Shard(1))
     for n in (k, v, mask, q):
         p = ctx.placement(n) if isinstance(n, Node) else None
         shared = p == Shard(1, pieces=1) and target.plain_padded  # whole on every rank: its padded part is cut

@@ -9,7 +9,8 @@ import torch
 from torch.fx import Node
 
 from tpcompile.placement import REPLICATE, Replicate, Shard, local_sizes, moved, shard, shard_of, split_dims
-from tpcompile.sharding_rules.grouped import cut_later, grouped, on_one
+from tpcompile.sharding_rules.group_cuts import cuts_local, cuts_reshape, padded_groups
+from tpcompile.sharding_rules.grouped import cut_later, grouped, on_one, regroup
 from tpcompile.sharding_rules.padded import padded_reshape, split_padded_segments
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import (Result, RuleContext, Size, Want, exact_size, norm_dim, period,
@@ -91,7 +92,7 @@ def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: i
         if p.dim + 1 >= len(ins):
             return None, "grouped split reaches past the last dim"
         merged = list(ins[:p.dim]) + [ins[p.dim] * ins[p.dim + 1]] + list(ins[p.dim + 2:])
-        return reshape_placement(Shard(p.dim), merged, outs, ws)
+        return reshape_placement(padded_groups(p, ins, ws) or Shard(p.dim), merged, outs, ws)
     groups = _groups(ins, outs)
     if groups is None:
         return None, "cannot match the input and output dims"
@@ -100,6 +101,8 @@ def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: i
             continue
         if len(gi) == 1 and len(gj) == 1:
             return moved(p, gj[0]), ""
+        if p.cuts is not None:  # a group's query heads split among the ranks sharing its kv head
+            return cuts_reshape(p, gi, gj, ins, outs)
         if p.padded is not None:
             return padded_reshape(p, gi, gj, ins, outs, ws)
         t = gi.index(p.dim)
@@ -145,19 +148,6 @@ def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: i
     return None, "sharded dim not found"
 
 
-def _regroup(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: int) -> Optional[int]:
-    """Fewer pieces than ranks that would make this reshape work (kv heads fewer than ranks)."""
-    if not p.plain:
-        return None
-    for g in range(ws // 2, 1, -1):
-        if ws % g:
-            continue
-        out, _ = reshape_placement(replace(p, pieces=g), ins, outs, ws)
-        if out is not None and isinstance(outs[out.dim], int) and outs[out.dim] < ws:
-            return g
-    return None
-
-
 @rule("reshape", args={"shape_arg": int, "sizes_arg": int, "dim_arg": int})
 def reshape(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """view / reshape / flatten / (un)squeeze."""
@@ -177,7 +167,7 @@ def reshape(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         out, why = None, f"reshape splits dim {out.dim + 1} within pieces, and a later op cuts along it"
     if out is None:
         res = _fail(node, why)
-        res.regroup = _regroup(p, ctx.shape(x), ctx.shape(node), ctx.world_size)
+        res.regroup = regroup(p, ctx.shape(x), ctx.shape(node), ctx.world_size, reshape_placement)
         return res
     outs = ctx.shape(node)
     if spec.get("shape_arg") is not None and out.dim > 0 and outs[out.dim - 1] == 1 and p.dim < len(ctx.shape(x)) \
@@ -187,8 +177,9 @@ def reshape(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return _fail(node, f"reshape makes 1 head of {outs[out.dim]}; one head cannot be split "
                            f"across {ctx.world_size} ranks")
     res = Result(out, [Want(x, p)])
-    if spec.get("shape_arg") is not None and out.seg_pieces is not None:
-        local = sum(local_sizes(out.segments, out.seg_pieces, ctx.world_size, out.padded))
+    if spec.get("shape_arg") is not None and (out.seg_pieces is not None or out.cuts is not None):
+        local = sum(local_sizes(out.segments, out.seg_pieces, ctx.world_size, out.padded)) if out.cuts is None \
+            else cuts_local(out, ctx.world_size)
         res.localize = [("shape_set", spec.get("shape_arg"), (out.dim, local), None)]
     elif spec.get("shape_arg") is not None:
         res.localize = [("shape", spec.get("shape_arg"), out.dim, out.pieces)]
@@ -214,11 +205,13 @@ def expand(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     nxt = p.dim + 1  # a dim broadcast right after a grouped one: split it within each piece
     share = ctx.world_size // p.pieces if p.pieces else None
     if share and p.split_next is None and nxt < len(ins) and ins[nxt] == 1 and isinstance(outs[out.dim + 1], int) \
-            and outs[out.dim + 1] % share == 0:
-        out = replace(out, split_next=share)
+            and (outs[out.dim + 1] % share == 0 or spec.get("pad_within") and p.pieces == ins[p.dim]):
+        out = replace(out, split_next=share)  # a group the sharing ranks do not divide: zero-padded (group_cuts.py)
     loc = [("shape", 1, out.dim, out.pieces)]
     if out.split_next:
-        loc.append(("shape", 1, out.dim + 1, out.split_next))
+        group = outs[out.dim + 1]
+        loc.append(("shape", 1, out.dim + 1, out.split_next) if group % share == 0 else
+                   ("shape_set", 1, (out.dim + 1, -(-group // share)), None))
     return Result(out, [Want(x, p)], localize=loc)
 
 

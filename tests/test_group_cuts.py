@@ -1,0 +1,172 @@
+"""A kv group's query heads split among the ranks sharing its kv head, the group zero-padded (`Shard.cuts`): kv heads
+fewer than the ranks, dividing them, and groups the sharing ranks do not divide (Qwen2-7B's 28 heads on 4 kv heads
+at 8 ranks). Each rank holds ceil(group / sharing ranks) query heads, not a whole group."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tpcompile
+import tpcompile.ops.rng as rng
+from tpcompile.placement import ParamSlice, group_cuts, rank_pieces
+from tpcompile.report.plan_table import split_text
+
+from test_uneven_heads import Attention, _exact, _net, _shard
+
+HEAD = 4  # _net's head size here
+
+
+@pytest.mark.parametrize("heads, kv, ws", [(12, 4, 8), (28, 4, 8), (6, 2, 4), (10, 2, 4), (14, 2, 8)])
+def test_query_heads_split_within_their_kv_groups(heads: int, kv: int, ws: int) -> None:
+    """Query and output projections hold ceil(group / sharing ranks) heads a rank (a whole group before), the key and
+    value projections one kv head a rank in pieces, no warning, two all-reduces a block, exact forward on another
+    batch and length, and gradients."""
+    model = _net(heads, kv, head_dim=HEAD, width=40)
+    sm, warned = _shard(model, ws)
+    assert not warned, [str(w.message) for w in warned]
+    share, group = ws // kv, heads // kv
+    per_rank = -(-group // share) * HEAD
+    q, k = sm.plan.parameters["blocks.0.attn.q.weight"], sm.plan.parameters["blocks.0.attn.k.weight"]
+    o = sm.plan.parameters["blocks.0.attn.o.weight"]
+    assert (q.role, q.local_shape, q.cuts) == ("column", (per_rank, 40), group_cuts(kv, group * HEAD, HEAD, share, ws))
+    assert (o.role, o.local_shape, o.cuts) == ("row", (40, per_rank), q.cuts)
+    assert (k.role, k.local_shape, k.pieces) == ("column", (HEAD, 40), kv)
+    assert sorted(op for op, _ in sm.collectives()) == ["all_reduce"] * 4
+    _exact(model, sm, torch.randn(3, 13, 40), torch.randn(2, 9, 40))
+
+
+def test_every_query_head_is_held_once_and_the_plan_shows_each_ranks_part() -> None:
+    """12 heads on 4 kv heads at 8 ranks: ranks 2k and 2k + 1 hold heads 3k, 3k + 1 and 3k + 2 (and a zero head);
+    every row of the query weight is on exactly one rank, and `tpcompile plan` says how much on each."""
+    sm, _ = _shard(_net(12, 4, head_dim=HEAD, width=40), 8)
+    q = sm.plan.parameters["blocks.0.attn.q.weight"]
+    held = [[(a, n) for a, _, n in rank_pieces(q.slice(), 48, r, 8)] for r in range(8)]
+    assert held[:4] == [[(0, 8)], [(8, 4)], [(12, 8)], [(20, 4)]]
+    rows = sorted(i for runs in held for a, n in runs for i in range(a, a + n))
+    assert rows == list(range(48))
+    assert split_text(q) == "column@0 12|12|12|12 cut 8|4|8|4|8|4|8|4"
+    assert "S(1|3:2.1~4+3:2.1~4+3:2.1~4+3:2.1~4)" in {str(sm.decisions.placement(n)) for n in sm.captured.graph.nodes}
+
+
+def test_merged_state_dict_is_the_model_s() -> None:
+    """Every rank's slices put back together (checkpoint/merge.py) give the original parameters."""
+    model = _net(12, 4, head_dim=HEAD, width=40)
+    sm, _ = _shard(model, 8)
+    merged = sm.merge_state_dicts([sm.rank(r).state_dict() for r in range(8)])
+    for name, t in model.state_dict().items():
+        torch.testing.assert_close(merged[name], t, atol=0, rtol=0)
+
+
+def test_explicit_cuts_are_verified() -> None:
+    """A cut whose pieces overlap, or give the ranks different sizes, is refused by the verifier."""
+    from tpcompile.passes.verify_plan import check_tiling
+    good = ParamSlice(0, (12, 12), cuts=group_cuts(2, 12, 4, 2, 4))
+    check_tiling("q.weight", (24, 8), good, 4)
+    overlap = ParamSlice(0, (12, 12), cuts=((0, 8, 16, 16, 16), (0, 0, 4, 8, 16)))
+    with pytest.raises(tpcompile.TPCompileError, match="different sizes|overlap"):
+        check_tiling("q.weight", (24, 8), overlap, 4)
+    with pytest.raises(tpcompile.TPCompileError, match="do not fit"):
+        check_tiling("q.weight", (24, 8), ParamSlice(0, (12, 12), cuts=((0, 8, 16), (0, 8, 16))), 4)
+
+
+def test_hugging_face_attention_dropout_masks_equal_world_size_one() -> None:
+    """Llama with 12 heads on 4 kv heads and attention dropout at 8 ranks: each rank's dropout masks are its part of
+    the unsharded masks (the heads' positions read through the explicit cuts), so the output equals ws 1's."""
+    import hf_models
+    arch = next(a for a in hf_models.ALL_ARCHS if a.name == "llama")
+    model = hf_models.build(arch, num_attention_heads=12, num_key_value_heads=4, hidden_size=48,
+                            attention_dropout=0.3, num_hidden_layers=1).train()
+    kwargs = hf_models.inputs(arch, 2, 8)
+    outs = {}
+    for ws in (1, 8):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", tpcompile.TPCompileWarning)
+            sm = tpcompile.shard(model, ws, example_kwargs=kwargs)
+        if ws == 8:
+            assert sm.plan.parameters["model.layers.0.self_attn.q_proj.weight"].cuts is not None
+        rng.seed(3)
+        outs[ws] = [o.logits for o in tpcompile.simulate(sm, **kwargs)]
+    for out in outs[8]:
+        torch.testing.assert_close(out, outs[1][0], atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        assert (model.eval()(**kwargs).logits - outs[1][0]).abs().max() > 1e-3  # the masks really drop
+
+
+def test_generation_splits_the_cache_by_kv_heads() -> None:
+    """Greedy generation of a Llama with 12 heads on 4 kv heads at 8 ranks: HF's tokens on every rank, and each rank
+    holds one kv head of the cache (a quarter of it), not a whole group of padded heads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from test_generate import padded_prompts, run_ranks
+    from tpcompile.generate import shard_generation
+
+    config = LlamaConfig(vocab_size=128, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=12, num_key_value_heads=4)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpcompile.TPCompileWarning)
+        gen = shard_generation(model, 8, max_seq_len=48, max_batch_size=2)
+    ids, mask = padded_prompts()
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    for out in run_ranks(gen, input_ids=ids, attention_mask=mask, max_new_tokens=12):
+        assert torch.equal(out, want)
+    assert max(gen.cache_bytes(r) for r in range(8)) == gen.unsharded_cache_bytes // 4
+
+
+def test_a_whole_checkpoint_loads_into_the_cut_ranks(tmp_path) -> None:
+    """A checkpoint of the unsharded model (torch's DCP) read by each of 8 ranks: every rank takes its query heads
+    through the cuts' chunks, and the ranks compute the checkpointed model."""
+    import torch.distributed.checkpoint as stock_dcp
+
+    from tpcompile import dcp
+
+    model = _net(12, 4, head_dim=HEAD, width=40)
+    stock_dcp.save(model.state_dict(), checkpoint_id=str(tmp_path), no_dist=True)
+    torch.manual_seed(7)
+    other = type(model)(12, 4, head_dim=HEAD, width=40).eval()
+    sm, _ = _shard(other, 8)
+    ranks = [sm.rank(r) for r in range(8)]
+    for r, gm in enumerate(ranks):
+        dcp.load(gm, tmp_path, sharded=sm, rank=r, no_dist=True)
+    x = torch.randn(2, 7, 40)
+    with torch.no_grad():
+        want = model(x)
+        assert (other(x) - want).abs().max() > 1e-3
+        for out in tpcompile.simulate_ranks(8, lambda r: ranks[r](x)):
+            torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+
+
+class GatedHeads(Attention):
+    """Attention whose heads are each scaled by a gate of their own, a (heads, 1, 1) parameter."""
+
+    def __init__(self, *args: int) -> None:
+        super().__init__(*args)
+        self.gate = nn.Parameter(torch.randn(self.heads, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.k, self.v))
+        rep = self.heads // self.kv_heads
+        k, v = (a[:, :, None].expand(b, self.kv_heads, rep, t, self.head_dim).reshape(b, self.heads, t, self.head_dim)
+                for a in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True) * self.gate
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def test_a_whole_per_head_value_is_cut_like_the_heads() -> None:
+    """A per-head gate, whole on every rank, meets heads split within their groups: each rank cuts its heads'
+    gates (its zero head's too) locally, no collective in forward, exact forward and gradients."""
+    torch.manual_seed(0)
+    model = GatedHeads(40, 12, 4, HEAD).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpcompile.TPCompileWarning)
+        sm = tpcompile.shard(model, 8, example_inputs=(torch.randn(2, 8, 40),))
+    assert sm.plan.parameters["q.weight"].cuts is not None and sm.plan.parameters["gate"].dim is None
+    assert [op for op, _ in sm.collectives()] == ["all_reduce"]
+    _exact(model, sm, torch.randn(2, 11, 40), torch.randn(2, 7, 40))

@@ -1,0 +1,57 @@
+"""Query heads of a kv group split within the ranks that share its kv head, the group zero-padded (`Shard.cuts`).
+
+With kv heads in pieces (each held by `share` = world_size / kv ranks) and a group of query heads that `share`
+does not divide (12 query heads on 4 kv heads at 8 ranks: groups of 3 at 2 ranks), rank k * share + i holds
+query heads i * c ... (i + 1) * c - 1 of group k, c = ceil(group / share), the heads past the group zeros
+(2 | 1 and a zero head), and a copy of kv head k for each. The layout of the heads dim is explicit: segment k
+(group k) cut only among its ranks (`placement.group_cuts`). It arises where grouped-query attention repeats
+the kv heads (`expand` marked `pad_within` by passes/head_groups.py, whose query projection's split it
+matches), and follows views that split or merge the heads dim with the dims after it.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional, Sequence
+
+from tpcompile.layouts import dim_layout
+from tpcompile.placement import Shard, group_cuts
+from tpcompile.sharding_rules.rule_context import Size, prod
+
+
+def padded_groups(p: Shard, ins: Sequence[Size], ws: int) -> Optional[Shard]:
+    """(kv heads in pieces, group split within each piece) merged into one heads dim, as explicit cuts, when the
+    ranks sharing a piece do not divide the group (one kv head a piece); else None."""
+    kv, group = ins[p.dim], ins[p.dim + 1]
+    if not isinstance(kv, int) or not isinstance(group, int) or p.pieces != kv or group % p.split_next == 0:
+        return None
+    return Shard(p.dim, (group,) * kv, cuts=group_cuts(kv, group, 1, p.split_next, ws))
+
+
+def cuts_reshape(p: Shard, gi: list, gj: list, ins: Sequence[Size], outs: Sequence[Size]) -> tuple:
+    """Where an explicitly cut dim lands after a reshape: split into (units, inner...) with the cut dim first, or
+    merged with the dims after it; (None, why) for anything else."""
+    why = f"reshape of {tuple(ins)} to {tuple(outs)} cuts through the explicit per-rank pieces of dim {p.dim}"
+    if gi == [p.dim]:  # split into (units, inner...): the first output dim holds the units
+        inner = prod([outs[d] for d in gj[1:]])
+        if isinstance(inner, int) and all(s % inner == 0 for s in p.segments) \
+                and all(c % inner == 0 for cut in p.cuts for c in cut):
+            return _scaled(replace(p, dim=gj[0]), 1, inner), ""
+        return None, why
+    if gi[0] == p.dim and len(gj) == 1:  # merged with the dims after it
+        inner = prod([ins[d] for d in gi[1:]])
+        if isinstance(inner, int):
+            return _scaled(replace(p, dim=gj[0]), inner, 1), ""
+    return None, why
+
+
+def _scaled(p: Shard, times: int, over: int) -> Shard:
+    """The same cuts in units `times / over` as large."""
+    return replace(p, segments=tuple(s * times // over for s in p.segments),
+                   cuts=tuple(tuple(c * times // over for c in cut) for cut in p.cuts))
+
+
+def cuts_local(p: Shard, ws: int) -> Optional[int]:
+    """The size of an explicitly cut dim on every rank, when it is the same on all (else None)."""
+    layout = dim_layout(p, None, ws)
+    sizes = {layout.local_size(r) for r in range(ws)}
+    return sizes.pop() if len(sizes) == 1 else None
