@@ -170,3 +170,37 @@ def test_a_whole_per_head_value_is_cut_like_the_heads() -> None:
     assert sm.plan.parameters["q.weight"].cuts is not None and sm.plan.parameters["gate"].dim is None
     assert [op for op, _ in sm.collectives()] == ["all_reduce"]
     _exact(model, sm, torch.randn(2, 11, 40), torch.randn(2, 7, 40))
+
+
+class WholeNormed(Attention):
+    """OLMoE's attention: the query and key projections normed over all their features before the view to heads."""
+
+    def __init__(self, *args: int) -> None:
+        super().__init__(*args)
+        self.qn, self.kn = nn.RMSNorm(self.heads * self.head_dim), nn.RMSNorm(self.kv_heads * self.head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.qn(self.q(x)).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.kn(self.k(x)).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        rep = self.heads // self.kv_heads
+        k, v = (a[:, :, None].expand(b, self.kv_heads, rep, t, self.head_dim).reshape(b, self.heads, t, self.head_dim)
+                for a in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def test_a_norm_over_a_whole_projection_gives_the_group_cut_up() -> None:
+    """A norm over all the key features cannot read kv heads in pieces: propagation gives the group cut up for
+    whole groups (what it would have chosen without it), not a replication: no warning, exact, one kv head and
+    one padded group a rank."""
+    torch.manual_seed(0)
+    model = WholeNormed(40, 12, 4, HEAD).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpcompile.TPCompileWarning)
+        sm = tpcompile.shard(model, 8, example_inputs=(torch.randn(2, 8, 40),))
+    q, k = sm.plan.parameters["q.weight"], sm.plan.parameters["k.weight"]
+    assert (q.cuts, q.padded, q.local_shape) == (None, 96, (12, 40))  # 4 groups of 3 heads padded to 8 groups
+    assert (k.pieces, k.local_shape) == (None, (4, 40)) and not sm.plan.replicated
+    _exact(model, sm, torch.randn(2, 11, 40), torch.randn(2, 7, 40))

@@ -68,28 +68,56 @@ def mark_head_groups(gm: GraphModule, ctx: PassContext) -> None:
         if kv == 0 or heads % kv or heads == kv or kv % ws == 0 or ws % kv == 0 and heads % ws == 0:
             continue  # kv heads split evenly, or in pieces shared by the ranks of whole query heads
         rep = heads // kv
-        if not fused and ws % kv == 0:  # kv heads in pieces, each group's query heads split among its ranks
-            _split_groups(found, node, kv, ws // kv, hd, ctx)
-            continue
         groups = 2 * -(-kv // ws) * rep + 2 * -(-kv // ws)  # q and o heads, k and v heads: padded groups
         replicated = 2 * -(-heads // ws) + 2 * kv  # q and o split by heads, k and v whole
-        if groups <= replicated:  # q by whole groups; k and v padded by heads, not in pieces shared by ranks
-            _set_units(found, fused, (rep * hd, hd, hd))
+        units = (rep * hd, hd, hd) if groups <= replicated else None  # q by whole groups; k and v padded by heads
+        if not fused and ws % kv == 0:  # kv heads in pieces, each group's query heads split among its ranks
+            _split_groups(found, node, kv, ws // kv, hd, ctx, units)
+        elif units:
+            _set_units(found, fused, units)
 
 
-def _split_groups(found: list, attention: Node, kv: int, share: int, hd: int, ctx: PassContext) -> None:
+def _split_groups(found: list, attention: Node, kv: int, share: int, hd: int, ctx: PassContext,
+                  units: Optional[tuple]) -> None:
     """Each kv head in a piece of its own (held by `share` ranks), its group of query heads split among those ranks
     and zero-padded to a multiple of them (sharding_rules/group_cuts.py), the kv repeats between the key and
-    value projections and the attention padded alike (`pad_within`)."""
+    value projections and the attention padded alike (`pad_within`). `units`: the whole groups to fall back on
+    (None: kv-head replication), should propagation blame one of the three projections (give_up_group_cuts)."""
     q, k, v = found
-    spec = q.meta["tp_rule"]
-    q.meta["tp_rule"] = RuleSpec(spec.rule, {**spec.args, "kv_groups": (kv, share, hd)})
+    _add(q, kv_groups=(kv, share, hd))
     ctx.pieces[k] = ctx.pieces[v] = kv
-    for arg, proj in zip(attention.args[1:3], (k, v)):
-        for n in _between(arg, proj):
-            spec = n.meta.get("tp_rule")
-            if spec is not None and spec.rule == "expand":
-                n.meta["tp_rule"] = RuleSpec(spec.rule, {**spec.args, "pad_within": True})
+    repeats = [n for arg, proj in zip(attention.args[1:3], (k, v)) for n in _between(arg, proj)
+               if getattr(n.meta.get("tp_rule"), "rule", None) == "expand"]
+    for n in repeats:
+        _add(n, pad_within=True)
+    for proj in found:
+        ctx.group_cuts[proj] = (tuple(found), tuple(repeats), units)
+
+
+def give_up_group_cuts(blamed: set, ctx: PassContext) -> set:
+    """The projections of every attention whose group cut a blamed op belongs to, set back to the whole groups or
+    the kv-head replication head_groups would have chosen without it (a reduction over a whole projection's
+    features, OLMoE's q and k norms, cannot read kv heads in pieces); the next round places them so."""
+    undone: set = set()
+    for o in blamed & set(ctx.group_cuts):
+        if o not in ctx.group_cuts:  # given up with another projection of its attention
+            continue
+        found, repeats, units = ctx.group_cuts[o]
+        for n in (*found, *repeats):
+            spec = n.meta["tp_rule"]
+            n.meta["tp_rule"] = RuleSpec(spec.rule, {a: b for a, b in spec.args.items()
+                                                     if a not in ("kv_groups", "pad_within")})
+            ctx.pieces.pop(n, None)
+            ctx.group_cuts.pop(n, None)
+        if units:
+            _set_units(list(found), False, units)
+        undone |= set(found)
+    return undone
+
+
+def _add(node: Node, **args: object) -> None:
+    spec = node.meta["tp_rule"]
+    node.meta["tp_rule"] = RuleSpec(spec.rule, {**spec.args, **args})
 
 
 def _between(arg: Node, proj: Node) -> list[Node]:

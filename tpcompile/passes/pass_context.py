@@ -23,6 +23,9 @@ class PassContext:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # get_attr target -> param/buffer
     demoted: dict[Node, str] = field(default_factory=dict)  # seed -> why it is replicated
     pieces: dict[Node, int] = field(default_factory=dict)  # seed -> pieces, when fewer than ranks
+    # query, key and value projection -> (the three, the kv repeats, the whole groups to fall back on): a kv group's
+    # query heads cut among the ranks sharing its kv head (passes/head_groups.py), until propagation blames them
+    group_cuts: dict[Node, tuple] = field(default_factory=dict)
     param_slices: dict[str, Optional[ParamSlice]] = field(default_factory=dict)
     param_seeds: dict[str, frozenset] = field(default_factory=dict)  # split parameter -> the seeds that cut it
     notes: dict[Node, str] = field(default_factory=dict)  # weight op left whole by choice -> why (last round)

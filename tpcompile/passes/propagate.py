@@ -17,7 +17,9 @@ round reads it anew.
 Bound: each round but the last demotes or regroups at least one seed, or resettles a parameter
 (never twice in a row: a second resettle without progress demotes that parameter's seeds); a
 seed is demoted at most once and regrouped at most once, so there are at most 4 * seeds + 2
-rounds, and one more for each parameter kept whole by the fallback below; reaching that is a
+rounds, one more for each parameter kept whole by the fallback below, and one more for each projection whose
+heads were cut within their kv groups (a blame there gives the cut up for the whole groups or the kv-head
+replication head_groups.py would have chosen, instead of a demotion: `give_up_group_cuts`); reaching that is a
 compiler bug and raises.
 
 Fallback: a conflict whose seeds are all replicated already can still be kept alive by parameters cut
@@ -33,6 +35,7 @@ import warnings
 from torch.fx import GraphModule, Node
 
 from tpcompile.errors import TPCompileError, TPCompileWarning
+from tpcompile.passes.head_groups import give_up_group_cuts
 from tpcompile.passes.param_cuts import cut_unread, wished_upstream
 from tpcompile.passes.pass_context import PassContext
 from tpcompile.passes.sweep import SEED_RULES, Layout, Sweep, seed_path, weight_args
@@ -51,7 +54,7 @@ def propagate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
         if ctx.override_for(seed_path(n)) == "replicate" or _kept_whole(n, ctx):
             ctx.demoted[n] = "replicated by the plan"
     params = {n.target for n in gm.graph.nodes if n.op == "get_attr"}  # each kept whole at most once (unwished)
-    bound = 4 * len(seeds) + 2 + len(params)
+    bound = 4 * len(seeds) + 2 + len(params) + len(ctx.group_cuts)
     resettled = False
     for ctx.iterations in range(1, bound + 1):
         sweep = Sweep(gm, ctx)
@@ -61,7 +64,9 @@ def propagate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
                  if o not in ctx.demoted}
         regrouped = {o: n for origins, n in sweep.regroups for o in origins if o not in ctx.pieces}
         ctx.pieces.update(regrouped)
-        if sweep.unsettled and not fresh and not regrouped:
+        undone = give_up_group_cuts(set(fresh), ctx)  # blamed heads cut within their groups: whole groups instead
+        fresh = {} if undone else fresh
+        if sweep.unsettled and not fresh and not regrouped and not undone:
             if resettled:  # a second change in a row without progress: the splits chase each other
                 fresh = {o: f"parameter {t} is read in ways whose splits disagree" for t, seeds in
                          sweep.unsettled.items() for o in seeds if o not in ctx.demoted}
@@ -69,7 +74,7 @@ def propagate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 resettled = True
                 continue  # read the parameters as this round cut them
         resettled = False
-        if not fresh and not regrouped:
+        if not fresh and not regrouped and not undone:
             unwished = wished_upstream(sweep) - ctx.unwished if sweep.conflicts else set()
             if unwished:  # nothing left to blame but parameters cut by wishes: keep them whole and judge again
                 log.info("propagate round %d: keeping %s whole", ctx.iterations, ", ".join(sorted(unwished)))
