@@ -124,3 +124,24 @@ def reduce_partial(em: Any, node: Node, y: Node) -> Node:
     if is_seq(p):
         return em.call(tp.reduce_scatter.default, y, p.dim, em.plan.group)
     return em.call(tp.all_reduce.default, y, em.plan.group)
+
+
+def is_padded_repeat(plan: Any, node: Node) -> bool:
+    """A kv head repeated over a group that the ranks sharing it do not divide (sharding_rules/group_cuts.py)."""
+    spec, p = plan.rule(node), plan.placement(node)
+    return bool(spec is not None and spec.get("pad_within") and isinstance(p, Shard) and p.split_next
+                and int(node.meta["val"].shape[p.dim + 1]) % p.split_next)
+
+
+def zero_padded_repeats(em: Any, node: Node, new: Node) -> Node:
+    """The repeats at this rank's padded places (its zero query heads') made zeros: the zero heads' attention output
+    is zero, so the padded columns of the output projection, and the padded rows of the query projection, get no
+    gradient and stay zero."""
+    p = em.plan.placement(node)
+    group = int(node.meta["val"].shape[p.dim + 1])
+    per = -(-group // p.split_next)
+    real = min(max(group - em.rank % p.split_next * per, 0), per)  # this rank's real places of its piece's group
+    if real == per:
+        return new
+    pad = [0, 0] * (node.meta["val"].dim() - 2 - p.dim) + [0, per - real]
+    return em.call(aten.constant_pad_nd.default, em.call(aten.narrow.default, new, p.dim + 1, 0, real), pad, 0)
