@@ -67,3 +67,48 @@ def test_uneven_vocabulary_sharded_output_keeps_padding_at_the_end() -> None:
     assert joined.shape[-1] == 252
     torch.testing.assert_close(joined[..., :250], ref, atol=1e-5, rtol=0)
     assert float(joined[..., 250:].abs().max()) == 0.0
+
+
+class SigmoidMLP(torch.nn.Module):
+    """An MLP whose activation is not zero at zero (sigmoid(0) = 0.5), its width 50 padded to 52 at 4 ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 50), torch.nn.Linear(50, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.sigmoid(self.up(x)))
+
+
+def test_padding_that_is_not_zero_gives_a_row_split_no_gradient() -> None:
+    """The padded features after sigmoid hold 0.5, not zeros: the row split zeroes them before its matmul, so the
+    padded columns of its weight get no gradient and stay zero, and two SGD steps on every rank give the
+    unsharded model's output after two steps."""
+    torch.manual_seed(0)
+    model = SigmoidMLP()
+    sm = tpcompile.shard(copy.deepcopy(model), 4, example_inputs=(torch.randn(2, 8),))
+    assert sm.plan.parameters["down.weight"].padded == 52
+    ranks = [sm.rank(r) for r in range(4)]
+    x, probe = torch.randn(3, 8), torch.randn(5, 8)
+
+    def train(r: int) -> tuple:
+        opt = torch.optim.SGD(ranks[r].parameters(), lr=0.5)
+        for _ in range(2):
+            opt.zero_grad()
+            ranks[r](x).square().sum().backward()
+            grad = ranks[r].down.weight.grad.clone()
+            opt.step()
+        with torch.no_grad():
+            return grad, ranks[r](probe)
+
+    results = tpcompile.simulate_ranks(4, train)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).square().sum().backward()
+        opt.step()
+    with torch.no_grad():
+        want = model(probe)
+    assert results[3][0][:, 11:].abs().max() == 0  # rank 3 holds features 39..49 and 2 padded ones
+    for _, out in results:
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)

@@ -18,7 +18,7 @@ from tpcompile.passes.rewrite_dropout import (emit_dropout, emit_sdpa_with_dropo
                                              sdpa_dropout)
 from tpcompile.passes.rewrite_regions import emit_region, is_region
 from tpcompile.passes.rewrite_slices import (gather_tokens, is_padded_repeat, local_slice, reduce_partial, size_node,
-                                             zero_padded_repeats)
+                                             zero_padded_repeats, zero_padding)
 from tpcompile.passes.rewrite_stats import emit_stats, is_stats
 from tpcompile.passes.rewrite_tables import emit_owned, emit_vocab
 from tpcompile.placement import (REPLICATE, Partial, Replicate, Shard, cut_from_shared, is_seq, local_shape,
@@ -164,10 +164,12 @@ REWRITES: list[tuple[Match, Emit]] = [
     (_role("row"), lambda em, node, lookup: _emit_row(em, node, lookup)),  # local matmul, all-reduce, bias once
     (_role("vocab"), emit_vocab),  # own rows, zero the rest, all-reduce (or the sum left pending)
     (_role("owned"), emit_owned),  # one row of a split table: its rank's, zeros elsewhere (a pending sum)
-    (lambda plan, node: is_stats(node, plan), emit_stats),  # a reduction or norm over the split dim: partial statistics, one small collective
+    # a reduction or norm over the split dim: partial statistics, one small collective
+    (lambda plan, node: is_stats(node, plan), emit_stats),
     # cond / map / an autocast region: its bodies rewritten for this rank
     (lambda plan, node: is_region(node), lambda em, node, lookup: emit_region(em, node, lookup, _rewrite_node)),
-    (lambda plan, node: _stale_metadata_assert(plan, node), lambda em, node, lookup: None),  # asserts a sharded tensor's global size
+    # an assertion of a sharded tensor's global size: dropped
+    (lambda plan, node: _stale_metadata_assert(plan, node), lambda em, node, lookup: None),
     (lambda plan, node: is_idle_dropout(node), lambda em, node, lookup: lookup(node.args[0])),  # off: no op
     (lambda plan, node: is_live_dropout(node), emit_dropout),  # mask from each element's place in the whole
     (lambda plan, node: _is_sdpa_with_dropout(node), emit_sdpa_with_dropout),  # attention spelled out, masked
@@ -246,6 +248,7 @@ def _emit_row(em: _Emitter, node: Node, lookup: Callable[[Node], Node]) -> Node:
         return _emit_copy(em, node, lookup)
     spec = em.plan.rule(node)
     x, w = lookup(node.args[spec.get("input")]), lookup(node.args[spec.get("weight")])
+    x = zero_padding(em, node.args[spec.get("input")], x)  # padding that may not hold zeros: zeros
     bi = spec.get("bias")
     bias = node.args[bi] if bi is not None and bi < len(node.args) else None
     # the same matmul without its bias (addmm's bias goes, leaving mm); a convolution keeps its other arguments

@@ -22,6 +22,7 @@ from torch.fx import Node
 
 from tpcompile.layouts import dim_layout
 from tpcompile.placement import Shard, is_seq, segment_ranges
+from tpcompile.sharding_rules.padded import zero_padded
 from tpcompile.sharding_rules.rule_context import to_size
 
 aten = torch.ops.aten
@@ -145,3 +146,21 @@ def zero_padded_repeats(em: Any, node: Node, new: Node) -> Node:
         return new
     pad = [0, 0] * (node.meta["val"].dim() - 2 - p.dim) + [0, per - real]
     return em.call(aten.constant_pad_nd.default, em.call(aten.narrow.default, new, p.dim + 1, 0, real), pad, 0)
+
+
+def zero_padding(em: Any, src: Node, x: Node) -> Node:
+    """x, this rank's value of `src` split with zero padding, with whatever its padding holds made zeros (nothing to
+    do when the rank's block has none, or the padding is known to hold zeros: padded.zero_padded). A row split's
+    input: the padding meets the padded columns of its weight, whose gradient would be the padding's values
+    (sigmoid(0) = 0.5 after a padded MLP width) and train them away from zero."""
+    p, val = em.plan.placement(src), src.meta.get("val")
+    if not isinstance(p, Shard) or p.padded is None and p.cuts is None or p.outer is not None \
+            or not isinstance(val, torch.Tensor):
+        return x
+    runs = dim_layout(p, int(to_size(val.shape[p.dim])), em.ws).runs(em.rank)
+    if all(n == block for _, _, n, block in runs) or zero_padded(src, em.plan.placement, rule=em.plan.rule):
+        return x
+    tail = [0, 0] * (val.dim() - 1 - p.dim)
+    parts = [em.call(aten.constant_pad_nd.default, em.call(aten.narrow.default, x, p.dim, at, n),
+                     tail + [0, block - n], 0) for _, at, n, block in runs if block]
+    return parts[0] if len(parts) == 1 else em.call(aten.cat.default, parts, p.dim)

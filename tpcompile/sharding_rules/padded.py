@@ -7,7 +7,7 @@ A column split whose output size the world size does not divide is zero-padded t
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import sympy
 import torch
@@ -130,10 +130,11 @@ _KEEPS_ZERO = frozenset(
     "aten.mul.Tensor aten.div.Tensor aten.pow.Tensor_Scalar".split())
 
 
-def zero_padded(x: Node, placement, depth: int = 24) -> bool:
+def zero_padded(x: Node, placement, depth: int = 24, rule: Any = None) -> bool:
     """True when the padding of `x`'s padded split is known to hold zeros: it comes from weight ops whose padded
     weight rows (and bias) are zeros, through ops that keep zeros (a layout op, a cast, f(0) = 0, a product with a
-    factor, a sum of padded values). A sum or mean over the padded dim is then the sum of what the ranks hold."""
+    factor, a sum of padded values). A sum or mean over the padded dim is then the sum of what the ranks hold.
+    `rule` reads a node's op table row (the frozen plan's, after propagation; node.meta's by default)."""
     from tpcompile.sharding_rules.table import op_name
 
     p = placement(x)
@@ -141,11 +142,12 @@ def zero_padded(x: Node, placement, depth: int = 24) -> bool:
         return False
     if depth <= 0 or not isinstance(x, Node):
         return False
-    spec = x.meta.get("tp_rule")
+    rule = rule or (lambda n: n.meta.get("tp_rule"))
+    spec = rule(x)
     if spec is not None and spec.rule == "weight_matmul":
         act = x.args[0] if x.args else None
         if isinstance(act, Node) and isinstance(placement(act), Shard) and placement(act).padded is not None:
-            return zero_padded(act, placement, depth - 1) and (len(x.args) < 3 or x.args[2] is None)
+            return zero_padded(act, placement, depth - 1, rule) and (len(x.args) < 3 or x.args[2] is None)
         return True
     name = op_name(x.target) if x.op == "call_function" else ""
     if name not in _KEEPS_ZERO:
@@ -157,9 +159,10 @@ def zero_padded(x: Node, placement, depth: int = 24) -> bool:
     tensors = [a for a in x.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
     padded = [a for a in tensors if isinstance(placement(a), Shard) and placement(a).padded is not None]
     if name in ("aten.mul.Tensor",):  # one zero factor makes the product zero
-        return any(zero_padded(a, placement, depth - 1) for a in padded)
+        return any(zero_padded(a, placement, depth - 1, rule) for a in padded)
     if name == "aten.div.Tensor":  # zeros over a divisor that is not padded (not 0 / 0)
         num, den = x.args[0], x.args[1]
-        return num in padded and den not in padded and zero_padded(num, placement, depth - 1)
+        return num in padded and den not in padded and zero_padded(num, placement, depth - 1, rule)
     # every tensor operand padded alike and zero there (a sum with a whole value would fill the padding)
-    return bool(padded) and len(padded) == len(tensors) and all(zero_padded(a, placement, depth - 1) for a in padded)
+    return bool(padded) and len(padded) == len(tensors) and all(zero_padded(a, placement, depth - 1, rule)
+                                                                for a in padded)
