@@ -11,20 +11,12 @@ from tpcompile.api import shard_captured
 from tpcompile.capture import capture
 from tpcompile.passes.decisions import KEYS
 
-from test_uneven_heads import Net
+from test_uneven_heads import Net, _exact
 
 
 def _model() -> Net:
     torch.manual_seed(0)
     return Net(6, 3).eval()  # 6 heads on 3 kv heads: split evenly at 3 ranks, padded by whole heads at 4
-
-
-def _exact(model: Net, sm: tpcompile.ShardedModel) -> None:
-    x = torch.randn(3, 11, 40)
-    with torch.no_grad():
-        ref = model(x)
-        for out in tpcompile.simulate(sm, x):
-            torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
 
 
 def test_the_captured_graph_carries_no_decision() -> None:
@@ -54,5 +46,5 @@ def test_a_second_decision_on_the_same_graph_leaves_the_first_intact() -> None:
     assert second.plan.parameters["blocks.0.attn.q.weight"].local_shape == (16, 40)  # 2 of 6 heads
     assert first.decisions.slice_for("blocks.0.attn.q.weight").padded == 64
     assert second.decisions.slice_for("blocks.0.attn.q.weight").padded is None
-    _exact(model, first)
-    _exact(model, second)
+    _exact(model, first, torch.randn(3, 11, 40))
+    _exact(model, second, torch.randn(3, 11, 40))

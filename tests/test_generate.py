@@ -161,19 +161,24 @@ def test_cli_generate_prints_both_token_lists_and_agrees(capsys: pytest.CaptureF
 def test_three_ranks_split_the_cache_of_four_heads(kv_heads: int) -> None:
     """4 query heads at 3 ranks (kv heads 4 or 2, neither divisible by 3): no warning, HF's greedy tokens on every
     rank, and no rank holds more than half the cache (heads padded to 2 a rank)."""
+    gen = greedy_llama(3, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=kv_heads)
+    assert max(gen.cache_bytes(r) for r in range(3)) <= gen.unsharded_cache_bytes // 2
+
+
+def greedy_llama(world_size: int, new_tokens: int = 20, **config: int) -> Any:
+    """A 2-layer Llama of `config` sharded for generation at `world_size` without a warning, every rank's greedy
+    tokens checked against HF generate's; the generator."""
     import warnings
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=kv_heads)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, num_hidden_layers=2, **config)).eval()
     with warnings.catch_warnings():
         warnings.simplefilter("error", tpcompile.TPCompileWarning)
-        gen = shard_generation(model, 3, max_seq_len=48, max_batch_size=2)
+        gen = shard_generation(model, world_size, max_seq_len=48, max_batch_size=2)
     ids, mask = padded_prompts()
-    want = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
-    for out in run_ranks(gen, input_ids=ids, attention_mask=mask, max_new_tokens=20):
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+    for out in run_ranks(gen, input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens):
         assert torch.equal(out, want)
-    assert max(gen.cache_bytes(r) for r in range(3)) <= gen.unsharded_cache_bytes // 2
+    return gen

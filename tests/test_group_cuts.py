@@ -99,22 +99,9 @@ def test_hugging_face_attention_dropout_masks_equal_world_size_one() -> None:
 def test_generation_splits_the_cache_by_kv_heads() -> None:
     """Greedy generation of a Llama with 12 heads on 4 kv heads at 8 ranks: HF's tokens on every rank, and each rank
     holds one kv head of the cache (a quarter of it), not a whole group of padded heads."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from test_generate import greedy_llama
 
-    from test_generate import padded_prompts, run_ranks
-    from tpcompile.generate import shard_generation
-
-    config = LlamaConfig(vocab_size=128, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=12, num_key_value_heads=4)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", tpcompile.TPCompileWarning)
-        gen = shard_generation(model, 8, max_seq_len=48, max_batch_size=2)
-    ids, mask = padded_prompts()
-    want = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
-    for out in run_ranks(gen, input_ids=ids, attention_mask=mask, max_new_tokens=12):
-        assert torch.equal(out, want)
+    gen = greedy_llama(8, 12, hidden_size=48, intermediate_size=64, num_attention_heads=12, num_key_value_heads=4)
     assert max(gen.cache_bytes(r) for r in range(8)) == gen.unsharded_cache_bytes // 4
 
 
