@@ -227,3 +227,16 @@ def test_training_under_torchrun_equals_one_process() -> None:
     ref = run_example(["--dp", "1", "--tp", "1", "--pp", "1", *args])
     assert worst_relative(out["losses"], ref["losses"]) < TOLERANCE, (out["losses"], ref["losses"])
     assert max(out["param_bytes_per_rank"]) < 0.35 * out["model_param_bytes"]
+
+
+def test_sequence_parallel_keeps_the_group_cut() -> None:
+    """With sequence parallelism the tokens are split outside the attention and the MLP: the heads stay cut within
+    their groups, and the forward and gradients are exact on another batch and length."""
+    model = _net(12, 4, head_dim=HEAD, width=40)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpcompile.TPCompileWarning)
+        sm = tpcompile.shard(model, 8, example_inputs=(torch.randn(2, 8, 40),), sequence_parallel=True)
+    assert sm.plan.parameters["blocks.0.attn.q.weight"].cuts is not None
+    assert sorted(op for op, _ in sm.collectives()) == ["all_gather"] * 3 + ["all_gather_replicated"] \
+        + ["reduce_scatter"] * 4
+    _exact(model, sm, torch.randn(2, 16, 40), torch.randn(2, 8, 40))
