@@ -145,29 +145,35 @@ def test_shared_layer_stays_split_when_its_first_input_was_split(ws: int) -> Non
 
 class MultiQuery(nn.Module):
     """Falcon-7B's attention: one fused projection to 8 query heads and one key and one value head of 8,
-    viewed as (B, T, 10, 8), cut by `[..., :-2, :]`, `[..., [-2], :]` and `[..., [-1], :]`; attention
-    broadcasts the one key / value head over the query heads."""
+    viewed as (B, T, 10, 8), cut by `[..., :-2, :]`, `[..., [-2], :]` and `[..., [-1], :]` (or, with `split`, as
+    transformers 5.25 writes it, by `split([8, 1, 1], dim=-2)`); attention broadcasts the one key / value head over
+    the query heads."""
 
-    def __init__(self) -> None:
+    def __init__(self, split: bool = False) -> None:
         super().__init__()
+        self.split = split
         self.qkv = nn.Linear(64, 64 + 2 * 8, bias=False)
         self.o = nn.Linear(64, 64, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         fused = self.qkv(x).view(B, T, 10, 8)
-        q, k, v = fused[..., :-2, :], fused[..., [-2], :], fused[..., [-1], :]
+        if self.split:
+            q, k, v = fused.split([8, 1, 1], dim=-2)
+        else:
+            q, k, v = fused[..., :-2, :], fused[..., [-2], :], fused[..., [-1], :]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return x + self.o(out.transpose(1, 2).reshape(B, T, 64))
 
 
 @pytest.mark.parametrize("ws", [2, 4])
-def test_multi_query_heads_cut_from_a_viewed_projection(ws: int) -> None:
+@pytest.mark.parametrize("split", [False, True])
+def test_multi_query_heads_cut_from_a_viewed_projection(ws: int, split: bool) -> None:
     """The fused projection is split by segments: the query heads across ranks, the key and value head whole
     on every rank; no warning, and each rank holds 64/ws query rows plus the 16 key and value rows."""
     torch.manual_seed(0)
-    model = MultiQuery().eval()
+    model = MultiQuery(split).eval()
     sm = _shard(model, ws, torch.randn(2, 8, 64))
     p = sm.plan.parameters["qkv.weight"]
     assert (p.role, p.segments, p.local_shape) == ("column", (64, 8, 8), (64 // ws + 16, 64))

@@ -9,6 +9,7 @@ from torch.fx import GraphModule, Node
 
 from tpcompile.passes.feature_walk import keeps_features, nested
 from tpcompile.passes.head_groups import mark_head_groups
+from tpcompile.passes.head_parts import head_parts, split_along
 from tpcompile.passes.param_pieces import mark_pieces
 from tpcompile.passes.pass_context import PassContext, module_path, owner_path
 from tpcompile.passes.size_equalities import record_size_equalities
@@ -107,6 +108,9 @@ def _stacked_segments(reshape: Node, width: int) -> Optional[tuple[int, ...]]:
     k = shape[d] if d < len(shape) else None
     if prod != width or k is None or k <= 1 or d == len(shape) - 1 or not _unbound_later(reshape, d):
         return None
+    if any(split_along(u, d, len(shape)) and len({int(v.shape[d]) for v in u.meta["val"]}) > 1
+           for u in reshape.users):
+        return None  # cut into unequal runs of heads (q | k | v of multi-query): head_parts.py
     return (width // k,) * k
 
 
@@ -187,10 +191,13 @@ def _heads(parts: list[Optional[Node]], segments: tuple) -> Optional[tuple[Optio
 
 
 def _along_heads(node: Node) -> bool:
-    """True for a slice, or a pick by positions, along the next-to-last dim (the heads of (.., heads, d))."""
+    """True for a slice, a pick by positions or a part of a split, along the next-to-last dim (the heads of
+    (.., heads, d))."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dim() < 2:
         return False
+    if node.target is operator.getitem and isinstance(node.args[0], Node):
+        return split_along(node.args[0], val.dim() - 2, val.dim())
     if node.target is torch.ops.aten.slice.Tensor:
         return len(node.args) > 1 and node.args[1] % val.dim() == val.dim() - 2
     return node.target is torch.ops.aten.index.Tensor and len(node.args[1]) == val.dim() - 1 \
@@ -265,7 +272,7 @@ def _walk(cur: Node, width: int, fdim: int, splits_only: bool = False) -> Option
                 stacked = _stacked_segments(u, width)
                 if stacked:
                     return stacked, [None] * len(stacked)
-                headed = _head_parts(u, width)
+                headed = head_parts(u, width)
                 if headed:
                     return headed
         sliced = _sliced_segments(cur, width) if last and not splits_only else None
@@ -286,34 +293,3 @@ def _walk(cur: Node, width: int, fdim: int, splits_only: bool = False) -> Option
             fdim = nxt.meta["val"].dim() - 1  # still the last dim
         cur = nxt
     return None
-
-
-def _head_parts(reshape: Node, width: int) -> Optional[tuple[tuple[int, ...], list[Optional[Node]]]]:
-    """(.., width) viewed as (.., n, d) and cut along n into runs of whole heads by slices and constant picks
-    (Falcon's multi-query `qkv[..., :-2, :]`, `qkv[..., [-2], :]`, `qkv[..., [-1], :]`): each run's width in
-    features, and the value holding it."""
-    shape = reshape.meta["val"].shape
-    if len(shape) < 2 or not all(isinstance(v, int) for v in shape[-2:]) or shape[-2] * shape[-1] != width:
-        return None
-    n, d, dim = int(shape[-2]), int(shape[-1]), len(shape) - 2
-    runs: dict[tuple[int, int], Node] = {}
-    for u in reshape.users:
-        if u.target is torch.ops.aten.slice.Tensor and len(u.args) > 1 and u.args[1] % len(shape) == dim:
-            args = list(u.args) + [None] * (5 - len(u.args))
-            ends = [0 if args[2] is None else args[2], n if args[3] is None else args[3]]
-            if args[4] not in (None, 1) or not all(isinstance(e, int) for e in ends):
-                return None
-            runs[tuple(min(n, e + n if e < 0 else e) for e in ends)] = u
-        elif u.target is torch.ops.aten.index.Tensor and [i is None for i in u.args[1]] == [True] * dim + [False]:
-            pos = (u.meta.get("tp_rule") or RuleSpec("index", {})).get("positions")
-            at = sorted({p % n for p in pos}) if pos else []
-            if not at or at != list(range(at[0], at[-1] + 1)):
-                return None
-            runs[(at[0], at[-1] + 1)] = u
-        else:
-            return None
-    bounds = sorted(runs)
-    if len(bounds) < 2 or bounds[0][0] != 0 or bounds[-1][1] != n or any(a[1] != b[0] for a, b in zip(bounds,
-                                                                                                   bounds[1:])):
-        return None
-    return tuple((b - a) * d for a, b in bounds), [runs[b] for b in bounds]
