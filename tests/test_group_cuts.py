@@ -240,3 +240,28 @@ def test_sequence_parallel_keeps_the_group_cut() -> None:
     assert sorted(op for op, _ in sm.collectives()) == ["all_gather"] * 3 + ["all_gather_replicated"] \
         + ["reduce_scatter"] * 4
     _exact(model, sm, torch.randn(2, 16, 40), torch.randn(2, 8, 40))
+
+
+class UnflattenedHeads(Attention):
+    """Attention whose projections are cut into heads by `unflatten` rather than `view`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (p(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q = q.unflatten(1, (self.heads, 1)).flatten(1, 2)  # (heads, 1) and back: the cut dim split and merged
+        rep = self.heads // self.kv_heads
+        k, v = (a[:, :, None].expand(b, self.kv_heads, rep, t, self.head_dim).reshape(b, self.heads, t, self.head_dim)
+                for a in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).flatten(2))
+
+
+def test_unflatten_of_the_cut_heads_takes_each_rank_s_size() -> None:
+    """`unflatten` of the heads dim gets its size literal from the cuts (2 heads a rank, not 12 // 8), exact."""
+    torch.manual_seed(0)
+    model = UnflattenedHeads(40, 12, 4, HEAD).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpcompile.TPCompileWarning)
+        sm = tpcompile.shard(model, 8, example_inputs=(torch.randn(2, 8, 40),))
+    assert sm.plan.parameters["q.weight"].cuts is not None
+    _exact(model, sm, torch.randn(2, 11, 40), torch.randn(2, 7, 40))

@@ -176,6 +176,8 @@ def reshape(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         # (.., N) viewed as (.., 1, N): one head of N, which whole heads cannot split (one group for a norm can)
         return _fail(node, f"reshape makes 1 head of {outs[out.dim]}; one head cannot be split "
                            f"across {ctx.world_size} ranks")
+    if out.cuts is not None and cuts_local(out, ctx.world_size) is None:
+        return _fail(node, f"reshape gives the ranks different sizes of the explicitly cut dim {out.dim}")
     res = Result(out, [Want(x, p)])
     if spec.get("shape_arg") is not None and (out.seg_pieces is not None or out.cuts is not None):
         local = sum(local_sizes(out.segments, out.seg_pieces, ctx.world_size, out.padded)) if out.cuts is None \
@@ -186,7 +188,8 @@ def reshape(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     elif spec.get("sizes_arg") is not None:  # unflatten: sizes of the dims that replace `dim`
         first = norm_dim(node.args[spec.get("dim_arg")], len(ctx.shape(x)))
         if 0 <= out.dim - first < len(node.args[spec.get("sizes_arg")]):
-            res.localize = [("shape", spec.get("sizes_arg"), out.dim - first, out.pieces)]
+            res.localize = [("shape", spec.get("sizes_arg"), out.dim - first, out.pieces)] if out.cuts is None else \
+                [("shape_set", spec.get("sizes_arg"), (out.dim - first, cuts_local(out, ctx.world_size)), None)]
     if res.localize and out.split_next and res.localize[0][0] == "shape":  # the next dim, split within a piece
         res.localize.append(("shape", res.localize[0][1], res.localize[0][2] + 1, out.split_next))
     return res
