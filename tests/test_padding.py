@@ -72,20 +72,21 @@ def test_uneven_vocabulary_sharded_output_keeps_padding_at_the_end() -> None:
 class SigmoidMLP(torch.nn.Module):
     """An MLP whose activation is not zero at zero (sigmoid(0) = 0.5), its width 50 padded to 52 at 4 ranks."""
 
-    def __init__(self) -> None:
+    def __init__(self, bias: bool = True) -> None:
         super().__init__()
-        self.up, self.down = torch.nn.Linear(8, 50), torch.nn.Linear(50, 8)
+        self.up, self.down = torch.nn.Linear(8, 50), torch.nn.Linear(50, 8, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(torch.sigmoid(self.up(x)))
 
 
-def test_padding_that_is_not_zero_gives_a_row_split_no_gradient() -> None:
-    """The padded features after sigmoid hold 0.5, not zeros: the row split zeroes them before its matmul, so the
-    padded columns of its weight get no gradient and stay zero, and two SGD steps on every rank give the
-    unsharded model's output after two steps."""
+@pytest.mark.parametrize("bias", [True, False])
+def test_padding_that_is_not_zero_gives_a_row_split_no_gradient(bias: bool) -> None:
+    """The padded features after sigmoid hold 0.5, not zeros: the row split zeroes them before its matmul (its sum
+    reduced at once, or, without a bias, left pending), so the padded columns of its weight get no gradient and
+    stay zero, and two SGD steps on every rank give the unsharded model's output after two steps."""
     torch.manual_seed(0)
-    model = SigmoidMLP()
+    model = SigmoidMLP(bias)
     sm = tpcompile.shard(copy.deepcopy(model), 4, example_inputs=(torch.randn(2, 8),))
     assert sm.plan.parameters["down.weight"].padded == 52
     ranks = [sm.rank(r) for r in range(4)]

@@ -244,11 +244,12 @@ def _emit_output(em: _Emitter, node: Node, gather: bool) -> None:
 
 def _emit_row(em: _Emitter, node: Node, lookup: Callable[[Node], Node]) -> Node:
     """Row split: local matmul without bias, one all-reduce, then the bias once (or the sum left pending)."""
-    if isinstance(em.plan.placement(node), Partial):  # reduced where a later op needs the whole value
-        return _emit_copy(em, node, lookup)
     spec = em.plan.rule(node)
-    x, w = lookup(node.args[spec.get("input")]), lookup(node.args[spec.get("weight")])
-    x = zero_padding(em, node.args[spec.get("input")], x)  # padding that may not hold zeros: zeros
+    src = node.args[spec.get("input")]
+    x = zero_padding(em, src, lookup(src))  # padding that may not hold zeros: zeros
+    if isinstance(em.plan.placement(node), Partial):  # reduced where a later op needs the whole value
+        return _emit_copy(em, node, lambda n: x if n is src else lookup(n))
+    w = lookup(node.args[spec.get("weight")])
     bi = spec.get("bias")
     bias = node.args[bi] if bi is not None and bi < len(node.args) else None
     # the same matmul without its bias (addmm's bias goes, leaving mm); a convolution keeps its other arguments
