@@ -17,8 +17,7 @@ from tpcompile.passes.rank_module import build_rank_module
 from tpcompile.passes.rewrite_dropout import (emit_dropout, emit_sdpa_with_dropout, is_idle_dropout, is_live_dropout,
                                              sdpa_dropout)
 from tpcompile.passes.rewrite_regions import emit_region, is_region
-from tpcompile.passes.rewrite_slices import (gather_tokens, is_padded_repeat, local_slice, reduce_partial, size_node,
-                                             zero_padded_repeats, zero_padding)
+from tpcompile.passes.rewrite_slices import gather_tokens, local_slice, reduce_partial, size_node, zero_padding
 from tpcompile.passes.rewrite_stats import emit_stats, is_stats
 from tpcompile.passes.rewrite_tables import emit_owned, emit_vocab
 from tpcompile.placement import (REPLICATE, Partial, Replicate, Shard, cut_from_shared, is_seq, local_shape,
@@ -173,8 +172,6 @@ REWRITES: list[tuple[Match, Emit]] = [
     (lambda plan, node: is_idle_dropout(node), lambda em, node, lookup: lookup(node.args[0])),  # off: no op
     (lambda plan, node: is_live_dropout(node), emit_dropout),  # mask from each element's place in the whole
     (lambda plan, node: _is_sdpa_with_dropout(node), emit_sdpa_with_dropout),  # attention spelled out, masked
-    # a kv head repeated over a group its ranks do not divide: the repeats at the rank's padded places zeros
-    (is_padded_repeat, lambda em, node, lookup: zero_padded_repeats(em, node, _emit_copy(em, node, lookup))),
     (lambda plan, node: True, _emit_copy),  # everything else: the same op on local values
 ]
 
@@ -245,8 +242,8 @@ def _emit_output(em: _Emitter, node: Node, gather: bool) -> None:
 def _emit_row(em: _Emitter, node: Node, lookup: Callable[[Node], Node]) -> Node:
     """Row split: local matmul without bias, one all-reduce, then the bias once (or the sum left pending)."""
     spec = em.plan.rule(node)
-    src = node.args[spec.get("input")]
-    x = zero_padding(em, src, lookup(src))  # padding that may not hold zeros: zeros
+    src = node.args[spec.get("input")] if spec.get("input") is not None else None  # (an einsum's operands: none)
+    x = zero_padding(em, src, lookup(src)) if src is not None else None  # padding that may not hold zeros: zeros
     if isinstance(em.plan.placement(node), Partial):  # reduced where a later op needs the whole value
         return _emit_copy(em, node, lambda n: x if n is src else lookup(n))
     w = lookup(node.args[spec.get("weight")])

@@ -46,11 +46,8 @@ def local_slice(em: Any, src: Node, node: Node, p: Shard, sync: bool = True, pie
         src = em.call(tp.grad_all_reduce.default, src, em.plan.group)
     size = to_size(val.shape[p.dim])
     if p.cuts is not None:  # explicit cuts: this rank's piece of each segment, its padding zeros
-        pad = [0, 0] * (val.dim() - 1 - p.dim)
-        runs = [em.call(aten.constant_pad_nd.default, em.call(aten.narrow.default, src, p.dim, start, n),
-                        pad + [0, block - n], 0) for start, _, n, block in dim_layout(p, None, em.ws).runs(em.rank)
-                if block]
-        return runs[0] if len(runs) == 1 else em.call(aten.cat.default, runs, p.dim)
+        runs = dim_layout(p, None, em.ws).runs(em.rank)
+        return _blocks(em, src, p.dim, val.dim(), [(start, n, block) for start, _, n, block in runs])
     if p.padded is not None:  # this rank's block of the value zero-padded to p.padded (empty past the end)
         n, block = int(size), p.padded // em.ws
         start = min(em.rank * block, n)
@@ -127,27 +124,6 @@ def reduce_partial(em: Any, node: Node, y: Node) -> Node:
     return em.call(tp.all_reduce.default, y, em.plan.group)
 
 
-def is_padded_repeat(plan: Any, node: Node) -> bool:
-    """A kv head repeated over a group that the ranks sharing it do not divide (sharding_rules/group_cuts.py)."""
-    spec, p = plan.rule(node), plan.placement(node)
-    return bool(spec is not None and spec.get("pad_within") and isinstance(p, Shard) and p.split_next
-                and int(node.meta["val"].shape[p.dim + 1]) % p.split_next)
-
-
-def zero_padded_repeats(em: Any, node: Node, new: Node) -> Node:
-    """The repeats at this rank's padded places (its zero query heads') made zeros: the zero heads' attention output
-    is zero, so the padded columns of the output projection, and the padded rows of the query projection, get no
-    gradient and stay zero."""
-    p = em.plan.placement(node)
-    group = int(node.meta["val"].shape[p.dim + 1])
-    per = -(-group // p.split_next)
-    real = min(max(group - em.rank % p.split_next * per, 0), per)  # this rank's real places of its piece's group
-    if real == per:
-        return new
-    pad = [0, 0] * (node.meta["val"].dim() - 2 - p.dim) + [0, per - real]
-    return em.call(aten.constant_pad_nd.default, em.call(aten.narrow.default, new, p.dim + 1, 0, real), pad, 0)
-
-
 def zero_padding(em: Any, src: Node, x: Node) -> Node:
     """x, this rank's value of `src` split with zero padding, with whatever its padding holds made zeros (nothing to
     do when the rank's block has none, or the padding is known to hold zeros: padded.zero_padded). A row split's
@@ -160,7 +136,12 @@ def zero_padding(em: Any, src: Node, x: Node) -> Node:
     runs = dim_layout(p, int(to_size(val.shape[p.dim])), em.ws).runs(em.rank)
     if all(n == block for _, _, n, block in runs) or zero_padded(src, em.plan.placement, rule=em.plan.rule):
         return x
-    tail = [0, 0] * (val.dim() - 1 - p.dim)
-    parts = [em.call(aten.constant_pad_nd.default, em.call(aten.narrow.default, x, p.dim, at, n),
-                     tail + [0, block - n], 0) for _, at, n, block in runs if block]
-    return parts[0] if len(parts) == 1 else em.call(aten.cat.default, parts, p.dim)
+    return _blocks(em, x, p.dim, val.dim(), [(at, n, block) for _, at, n, block in runs])
+
+
+def _blocks(em: Any, x: Node, dim: int, ndim: int, runs: list[tuple[int, int, int]]) -> Node:
+    """Blocks of x along dim joined: per (start, n, block), x's n entries from start, zero-padded to block."""
+    tail = [0, 0] * (ndim - 1 - dim)
+    parts = [em.call(aten.constant_pad_nd.default, em.call(aten.narrow.default, x, dim, start, n),
+                     tail + [0, block - n], 0) for start, n, block in runs if block]
+    return parts[0] if len(parts) == 1 else em.call(aten.cat.default, parts, dim)

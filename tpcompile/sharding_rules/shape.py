@@ -176,12 +176,12 @@ def reshape(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         # (.., N) viewed as (.., 1, N): one head of N, which whole heads cannot split (one group for a norm can)
         return _fail(node, f"reshape makes 1 head of {outs[out.dim]}; one head cannot be split "
                            f"across {ctx.world_size} ranks")
-    if out.cuts is not None and cuts_local(out, ctx.world_size) is None:
+    cut = cuts_local(out, ctx.world_size) if out.cuts is not None else None  # a cut dim's size on every rank
+    if out.cuts is not None and cut is None:
         return _fail(node, f"reshape gives the ranks different sizes of the explicitly cut dim {out.dim}")
     res = Result(out, [Want(x, p)])
     if spec.get("shape_arg") is not None and (out.seg_pieces is not None or out.cuts is not None):
-        local = sum(local_sizes(out.segments, out.seg_pieces, ctx.world_size, out.padded)) if out.cuts is None \
-            else cuts_local(out, ctx.world_size)
+        local = sum(local_sizes(out.segments, out.seg_pieces, ctx.world_size, out.padded)) if cut is None else cut
         res.localize = [("shape_set", spec.get("shape_arg"), (out.dim, local), None)]
     elif spec.get("shape_arg") is not None:
         res.localize = [("shape", spec.get("shape_arg"), out.dim, out.pieces)]
@@ -189,7 +189,7 @@ def reshape(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         first = norm_dim(node.args[spec.get("dim_arg")], len(ctx.shape(x)))
         if 0 <= out.dim - first < len(node.args[spec.get("sizes_arg")]):
             res.localize = [("shape", spec.get("sizes_arg"), out.dim - first, out.pieces)] if out.cuts is None else \
-                [("shape_set", spec.get("sizes_arg"), (out.dim - first, cuts_local(out, ctx.world_size)), None)]
+                [("shape_set", spec.get("sizes_arg"), (out.dim - first, cut), None)]
     if res.localize and out.split_next and res.localize[0][0] == "shape":  # the next dim, split within a piece
         res.localize.append(("shape", res.localize[0][1], res.localize[0][2] + 1, out.split_next))
     return res
