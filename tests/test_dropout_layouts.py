@@ -19,7 +19,7 @@ from tpcompile.capture import Captured, capture
 from tpcompile.models import GPT, GPTConfig
 from tpcompile.passes.recompute import checkpoint_selective
 from tpcompile.passes.rewrite_dropout import split_spec
-from tpcompile.placement import ParamSlice, Shard, local_shape, rank_pieces, slice_placement
+from tpcompile.placement import ParamSlice, Shard, local_shape, rank_pieces, seg_cuts, slice_placement
 
 IDS = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(2))
 HF = {"phi3": dict(attention_dropout=0.2, resid_pdrop=0.2, num_hidden_layers=1),  # fused q|k|v, 2 kv heads
@@ -161,8 +161,9 @@ def _mask(shape: list[int], placement: object, rank: int, ws: int, rows_of: list
 
 
 @pytest.mark.parametrize("sl", [ParamSlice(1), ParamSlice(1, segments=(8, 4, 4)), ParamSlice(1, padded=20),
-                                ParamSlice(1, pieces=2), ParamSlice(1, segments=(8, 4, 4), seg_pieces=(4, 2, 2)),
-                                ParamSlice(1, segments=(8, 4, 4), padded=(8, 8, 8))])
+                                ParamSlice(1, pieces=2),
+                                ParamSlice(1, (8, 4, 4), cuts=seg_cuts((8, 4, 4), 4, counts=(4, 2, 2))),
+                                ParamSlice(1, (8, 4, 4), cuts=seg_cuts((8, 4, 4), 4, (8, 8, 8)))])
 def test_each_split_kind_tiles_the_whole_mask(sl: ParamSlice) -> None:
     """Segments, kv pieces and a padded dim at 4 ranks: each rank's mask is the whole mask at its positions."""
     shape = [3, 18 if isinstance(sl.padded, int) else 16, 5]

@@ -62,15 +62,17 @@ def test_merged_state_dict_is_the_model_s() -> None:
 
 
 def test_explicit_cuts_are_verified() -> None:
-    """A cut whose pieces overlap, or give the ranks different sizes, is refused by the verifier."""
+    """A cut whose pieces overlap, give the ranks different sizes, or whose count does not divide the ranks, is refused
+    by the verifier; pieces each shared by several ranks are a cut too."""
     from tpcompile.passes.verify_plan import check_tiling
     good = ParamSlice(0, (12, 12), cuts=group_cuts(2, 12, 4, 2, 4))
     check_tiling("q.weight", (24, 8), good, 4)
     overlap = ParamSlice(0, (12, 12), cuts=((0, 8, 16, 16, 16), (0, 0, 4, 8, 16)))
     with pytest.raises(tpcompile.TPCompileError, match="different sizes|overlap"):
         check_tiling("q.weight", (24, 8), overlap, 4)
-    with pytest.raises(tpcompile.TPCompileError, match="do not fit"):
-        check_tiling("q.weight", (24, 8), ParamSlice(0, (12, 12), cuts=((0, 8, 16), (0, 8, 16))), 4)
+    check_tiling("q.weight", (24, 8), ParamSlice(0, (12, 12), cuts=((0, 8, 16), (0, 8, 16))), 4)  # 2 pieces, shared
+    with pytest.raises(tpcompile.TPCompileError, match="do not fit"):  # 3 pieces do not divide 4 ranks
+        check_tiling("q.weight", (24, 8), ParamSlice(0, (12, 12), cuts=((0, 4, 8, 12),) * 2), 4)
 
 
 def test_hugging_face_attention_dropout_masks_equal_world_size_one() -> None:

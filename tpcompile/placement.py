@@ -7,17 +7,18 @@ arithmetic (which runs a rank holds, local shapes) lives here.
 `Shard` carries optional `segments`: the sharded dimension is a concatenation of segments
 (for example a fused q|k|v projection of sizes (C, C, C)) and every segment is split evenly
 across ranks, so a rank holds the concatenation of its piece of each segment. A plain shard
-is the one-segment case. DTensor's `Shard(dim)` has no segments, hence these small types.
+is the one-segment case. Segments cut otherwise carry `cuts`, each segment's piece bounds (`Cut`
+reads them: pieces fewer than ranks, zero padding per segment, one piece a rank), the value that
+`layouts.DimLayout` computes on. DTensor's `Shard(dim)` has no segments, hence these small types.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence, Union
 
-from tpcompile.layouts import dim_layout
+from tpcompile.layouts import dim_layout, even_cuts, is_even
 
-Padding = Union[int, tuple[int, ...]]
-Cuts = tuple[tuple[int, ...], ...]  # per segment, world_size + 1 positions (layouts.DimLayout's Segment.cuts)
+Cuts = tuple[tuple[int, ...], ...]  # per segment, the bounds of its pieces (layouts.DimLayout's Segment.cuts)
 
 
 @dataclass(frozen=True)
@@ -28,46 +29,97 @@ class Replicate:
         return "R"
 
 
+class Cut:
+    """What `segments` and `cuts` say of a split dim, for a ParamSlice and a Shard alike."""
+
+    segments: Optional[tuple[int, ...]]
+    padded: Optional[int]
+    cuts: Optional[Cuts]
+
+    @property
+    def padding(self) -> Optional[Union[int, tuple[int, ...]]]:
+        """What the dim is zero-padded to: one size (`padded`), each evenly cut segment's, or None."""
+        return tuple(self.pads()) if self.seg_padded else self.padded
+
+    @property
+    def rank_cuts(self) -> bool:
+        """True for cuts that give each rank a piece of its own (`group_cuts`: some pieces differ in size, or one
+        segment), as opposed to segments cut evenly (`even_segments`)."""
+        return self.cuts is not None and (len(self.cuts) == 1 or not all(is_even(c) for c in self.cuts))
+
+    @property
+    def even_segments(self) -> bool:
+        """True for segments each cut evenly into its own count of pieces, zero-padded or not (a fused q|k|v
+        padded by whole heads, or with kv heads fewer than ranks)."""
+        return self.cuts is not None and not self.rank_cuts
+
+    @property
+    def seg_padded(self) -> bool:
+        """True when evenly cut segments are zero-padded each (a fused q|k|v padded by whole heads)."""
+        return self.even_segments and any(c[-1] != s for s, c in zip(self.segments, self.cuts))
+
+    def counts(self, world_size: int) -> list[int]:
+        """Each segment's number of pieces (the world size when split evenly)."""
+        segs = self.segments or (None,)
+        return [len(c) - 1 for c in self.cuts] if self.cuts is not None else [world_size] * len(segs)
+
+    def shared(self, world_size: int) -> bool:
+        """True when an evenly cut segment has fewer pieces than ranks (kv heads of a fused q|k|v fewer than
+        ranks: each piece held by several ranks)."""
+        return self.even_segments and any(len(c) - 1 < world_size for c in self.cuts)
+
+    def pads(self) -> list[int]:
+        """Each segment's size zero-padded (its size when not padded)."""
+        return [c[-1] for c in self.cuts] if self.cuts is not None else list(self.segments)
+
+    def seg_local(self, world_size: int) -> list[int]:
+        """Each evenly cut segment's size on one rank, its padding included."""
+        return [q // g for q, g in zip(self.pads(), self.counts(world_size))]
+
+
 @dataclass(frozen=True)
-class ParamSlice:
+class ParamSlice(Cut):
     """How a parameter is cut: along `dim`, per segment when segmented."""
 
     dim: int
     segments: Optional[tuple[int, ...]] = None
-    padded: Optional[Padding] = None  # cut as if zero-padded to this size (per segment: a tuple of sizes)
+    padded: Optional[int] = None  # one segment cut as if zero-padded to this size
     pieces: Optional[int] = None  # cut into this many pieces, each held by world_size/pieces ranks
-    seg_pieces: Optional[tuple[int, ...]] = None  # per segment, its number of pieces (world size: split evenly)
-    cuts: Optional[Cuts] = None  # per segment, explicit per-rank cut positions (Shard.cuts)
+    cuts: Optional[Cuts] = None  # per segment, the bounds of its pieces (Shard.cuts)
 
 
 @dataclass(frozen=True)
-class Shard:
-    """Each rank holds 1/world_size of dimension `dim` (of every segment, when segmented)."""
+class Shard(Cut):
+    """Each rank holds its piece of dimension `dim`: 1/world_size of it, or of every segment when segmented."""
 
     dim: int
     segments: Optional[tuple[int, ...]] = None
     seq: bool = False  # sequence parallel: tokens split outside the tensor-parallel regions
-    # size rounded up to a multiple of the world size (zeros past the end); with segments, a tuple: each
-    # segment's own padded size, so that a rank holds its block of each padded segment (q|k|v by whole heads)
-    padded: Optional[Padding] = None
+    padded: Optional[int] = None  # one segment, its size rounded up to a multiple of the world size (zeros past the end)
     outer: Optional[object] = None  # the dim is `outer` repetitions of the split blocks (batch x heads)
-    pieces: Optional[int] = None  # only this many distinct pieces; ranks r*pieces//ws share a piece
+    pieces: Optional[int] = None  # one segment of only this many distinct pieces; ranks r*pieces//ws share a piece
     split_next: Optional[int] = None  # with pieces: dim+1 is split this many ways within a piece
-    # per segment, how many distinct pieces it has (fused q|k|v with fewer kv heads than ranks); None: all even
-    seg_pieces: Optional[tuple[int, ...]] = None
-    # with segments: per segment, world_size + 1 cut positions, rank r holding [cuts[r], cuts[r+1]) of the segment
-    # zero-padded to cuts[-1] (query heads of kv groups split within the ranks sharing each group: `group_cuts`)
+    # with segments: per segment, the bounds of its pieces in the segment zero-padded to cuts[-1]; a segment of g
+    # pieces (g + 1 bounds) has piece k held by the ranks k * ws / g ... (k + 1) * ws / g - 1 (layouts.DimLayout).
+    # Even bounds: a fused q|k|v padded by whole heads, or with kv heads fewer than ranks; uneven ones (one piece a
+    # rank): a kv group's query heads split within the ranks sharing its kv head (`group_cuts`). None: every
+    # segment split evenly, unpadded.
     cuts: Optional[Cuts] = None
 
     def __str__(self) -> str:
-        if self.cuts is not None:  # 'S(1|3:2.1~4+...)': a segment's size, the real part of each non-empty piece
+        if self.rank_cuts:  # 'S(1|3:2.1~4+...)': a segment's size, the real part of each non-empty piece
             segs = "+".join(f"{s}:" + ".".join(str(min(b, s) - min(a, s)) for a, b in zip(c, c[1:]) if b > a)
                             + f"~{c[-1]}" for s, c in zip(self.segments, self.cuts))
             return f"S({self.dim}|{segs}){'seq' if self.seq else ''}"
         seg = "" if self.segments is None else f"|{'+'.join(map(str, self.segments))}"
-        if self.seg_pieces is not None:
-            seg = "|" + "+".join(f"{s}/{g}" for s, g in zip(self.segments, self.seg_pieces))
-        pad = "" if self.padded is None else f"~{'+'.join(map(str, padding_sizes(self.padded)))}"
+        pads = None if self.padded is None else (self.padded,)
+        if self.cuts is not None:
+            counts = [len(c) - 1 for c in self.cuts]
+            if self.seg_padded:
+                pads = tuple(c[-1] for c in self.cuts)
+            if not self.seg_padded or len(set(counts)) > 1:  # pieces fewer than ranks: each segment's count
+                seg = "|" + "+".join(f"{s}/{g}" for s, g in zip(self.segments, counts))
+        pad = "" if pads is None else f"~{'+'.join(map(str, pads))}"
         out = "" if self.outer is None else f"x{self.outer}"
         grp = "" if self.pieces is None else f"/{self.pieces}" + ("" if self.split_next is None else f"+{self.split_next}")
         return f"S({self.dim}{seg}{pad}{out}{grp}){'seq' if self.seq else ''}"
@@ -76,14 +128,13 @@ class Shard:
     def plain(self) -> bool:
         """True when the dimension is one segment split evenly, without padding."""
         return ((self.segments is None or len(self.segments) == 1) and self.padded is None
-                and self.outer is None and self.pieces is None and self.seg_pieces is None and self.cuts is None)
+                and self.outer is None and self.pieces is None and self.cuts is None)
 
     @property
     def plain_padded(self) -> bool:
         """True when the dimension is one segment zero-padded to a multiple of the world size and split evenly."""
         return (self.padded is not None and (self.segments is None or len(self.segments) == 1)
-                and self.outer is None and self.pieces is None and self.seg_pieces is None and not self.seq
-                and self.cuts is None)
+                and self.outer is None and self.pieces is None and not self.seq and self.cuts is None)
 
 
 @dataclass(frozen=True)
@@ -110,42 +161,36 @@ def shard(dim: int, segments: Optional[Sequence[int]] = None) -> Shard:
     return Shard(dim, segs)
 
 
-def shard_of(dim: int, segments: Sequence[int], seg_pieces: Optional[Sequence[int]], world_size: int) -> Shard:
-    """A Shard of `segments` with per-segment piece counts, normalised: one segment of g < world_size pieces is
-    a `pieces` shard; segments all split evenly are plain segments."""
-    gs = list(seg_pieces or [world_size] * len(segments))
-    if all(g == world_size for g in gs):
-        return shard(dim, segments)
-    if len(segments) == 1:
-        return Shard(dim, pieces=gs[0])
-    return Shard(dim, tuple(int(s) for s in segments), seg_pieces=tuple(gs))
+def seg_cuts(segments: Sequence[int], world_size: int, pads: Optional[Sequence[int]] = None,
+             counts: Optional[Sequence[int]] = None) -> Optional[Cuts]:
+    """Each segment cut evenly: zero-padded to its pad, into its count of pieces (the world size by default);
+    None when every segment is split evenly over the ranks without padding (a plain segmented Shard)."""
+    pads = list(pads or segments)
+    counts = list(counts or [world_size] * len(segments))
+    if pads == list(segments) and all(g == world_size for g in counts):
+        return None
+    return tuple(even_cuts(int(q), int(g)) for q, g in zip(pads, counts))
 
 
-def local_sizes(segments: Sequence[int], seg_pieces: Optional[Sequence[int]], world_size: int,
-                padded: Optional[Padding] = None) -> list[int]:
-    """Each segment's size on one rank (of its padded size when the segments are padded each)."""
-    sizes = padded if isinstance(padded, tuple) else segments
-    return [s // g for s, g in zip(sizes, seg_pieces or [world_size] * len(segments))]
+def segmented(dim: int, segments: Sequence[int], world_size: int, pads: Optional[Sequence[int]] = None,
+              counts: Optional[Sequence[int]] = None) -> Shard:
+    """A Shard of whole segments, each zero-padded to its pad and cut into its count of pieces, normalised: one
+    segment is plain, `pieces` (fewer pieces than ranks) or `padded`; segments split evenly are plain segments."""
+    segs = [int(s) for s in segments]
+    pads = list(pads or segs)
+    counts = list(counts or [world_size] * len(segs))
+    if len(segs) == 1 and pads[0] != segs[0]:
+        return Shard(dim, padded=int(pads[0]))
+    if len(segs) == 1 and counts[0] < world_size:
+        return Shard(dim, pieces=int(counts[0]))
+    if len(segs) == 1:
+        return Shard(dim)
+    return Shard(dim, tuple(segs), cuts=seg_cuts(segs, world_size, pads, counts))
 
 
-def padding_sizes(padded: Padding) -> tuple[int, ...]:
-    """A padding as a tuple of sizes: one for a padded dim, one per segment for padded segments."""
-    return padded if isinstance(padded, tuple) else (int(padded),)
-
-
-def padded_local(padded: Padding, seg_pieces: Optional[Sequence[int]], world_size: int) -> int:
-    """A padded dim's size on one rank: each (padded) segment over its pieces (the world size by default)."""
-    pads = padding_sizes(padded)
-    return sum(p // g for p, g in zip(pads, seg_pieces or [world_size] * len(pads)))
-
-
-def padded_segment_runs(segments: Sequence[int], padded: Sequence[int], rank: int, world_size: int,
-                        seg_pieces: Optional[Sequence[int]] = None) -> list[tuple[int, int, int, int]]:
-    """Per segment, (global start, local start, length of real data, local block) of what `rank` holds when
-    each segment is zero-padded to its own size and cut into its pieces (the world size, or g < world size
-    pieces each held by world_size / g ranks, unpadded: multi-query's one kv head whole on every rank)."""
-    cut = ParamSlice(0, tuple(segments), tuple(padded), None, tuple(seg_pieces) if seg_pieces else None)
-    return dim_layout(cut, None, world_size).runs(rank)
+def padded_local(p: Shard, world_size: int) -> int:
+    """A padded dim's size on one rank: its padded size over the ranks, or each padded segment's over its pieces."""
+    return sum(p.seg_local(world_size)) if p.seg_padded else p.padded // world_size
 
 
 def cut_from_shared(have: object, want: object) -> bool:
@@ -200,10 +245,10 @@ def slice_shape(shape: Sequence[int], sl: Any, world_size: int) -> tuple[int, ..
 
 
 def segment_ranges(size: int, segments: Optional[Sequence[int]], rank: int, world_size: int,
-                   seg_pieces: Optional[Sequence[int]] = None) -> list[tuple[int, int]]:
-    """The [start, stop) index ranges along a sharded dim that `rank` holds (a segment of g < world_size
-    pieces: piece rank // (world_size / g) of it, shared with the other ranks of that group)."""
-    cut = ParamSlice(0, tuple(segments) if segments else None, None, None, tuple(seg_pieces) if seg_pieces else None)
+                   cuts: Optional[Cuts] = None) -> list[tuple[int, int]]:
+    """The [start, stop) index ranges along a sharded dim that `rank` holds, in its padded positions (a segment of
+    g < world_size pieces: piece rank // (world_size / g) of it, shared with the other ranks of that group)."""
+    cut = ParamSlice(0, tuple(segments) if segments else None, cuts=cuts)
     return dim_layout(cut, size, world_size).blocks(rank)
 
 
@@ -212,7 +257,7 @@ def slice_placement(sl: ParamSlice) -> Shard:
     if sl.cuts is not None:
         return Shard(sl.dim, sl.segments, cuts=sl.cuts)
     return Shard(sl.dim, sl.segments if sl.segments and len(sl.segments) > 1 else None, padded=sl.padded,
-                 pieces=sl.pieces, seg_pieces=sl.seg_pieces)
+                 pieces=sl.pieces)
 
 
 def local_shape(shape: Sequence[Any], p: Any, rank: int, world_size: int) -> tuple:

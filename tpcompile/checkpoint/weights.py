@@ -131,7 +131,7 @@ def _local(src: WeightSource, key: str, like: torch.Tensor, global_shape: tuple,
         whole = src.read(key) if pieces is None else src.read(key, sl.dim, pieces[0][0], pieces[0][2])
         return whole.to(device=device, dtype=like.dtype).contiguous()
     # padded columns must be zeros, everything else is overwritten below
-    make = torch.zeros if sl is not None and (sl.padded or sl.cuts) else torch.empty
+    make = torch.zeros if sl is not None and (sl.padding or sl.rank_cuts) else torch.empty
     out = make(like.shape, dtype=like.dtype, device=device)
     if pieces is None:
         out.copy_(src.read(key))

@@ -1,4 +1,4 @@
 """How a value is laid out across ranks, as data: `DimLayout`, one split dim as segments cut into pieces."""
-from tpcompile.layouts.dim_layout import DimLayout, Segment, dim_layout, even_cuts
+from tpcompile.layouts.dim_layout import DimLayout, Segment, dim_layout, even_cuts, is_even
 
-__all__ = ["DimLayout", "Segment", "dim_layout", "even_cuts"]
+__all__ = ["DimLayout", "Segment", "dim_layout", "even_cuts", "is_even"]

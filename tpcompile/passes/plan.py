@@ -6,7 +6,7 @@ overrides (tpcompile.overrides), and `tpcompile plan` renders a Plan (report/pla
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from torch import nn
 from torch.fx import GraphModule
@@ -31,15 +31,27 @@ class ParamPlan:
     global_shape: tuple[int, ...]
     local_shape: tuple[int, ...]
     tied: tuple[str, ...] = ()  # other names of the same parameter
-    padded: Optional[int] = None  # split as if zero-padded to this size along dim
+    padded: Optional[Union[int, tuple[int, ...]]] = None  # split as if zero-padded to this size (per segment: sizes)
     pieces: Optional[int] = None  # split into this many pieces, each shared by world_size/pieces ranks
     seg_pieces: Optional[tuple[int, ...]] = None  # per segment, its number of pieces (kv heads fewer than ranks)
-    cuts: Optional[Cuts] = None  # per segment, explicit per-rank cut positions (placement.Shard.cuts)
+    cuts: Optional[Cuts] = None  # per segment, the bounds of its pieces (placement.Shard.cuts)
+    world_size: int = 1
 
     def slice(self) -> Optional[ParamSlice]:
         """How the parameter is cut (tpcompile.placement.rank_pieces; None: whole)."""
-        return None if self.dim is None else ParamSlice(self.dim, self.segments, self.padded, self.pieces,
-                                                         self.seg_pieces, self.cuts)
+        padded = self.padded if isinstance(self.padded, int) else None
+        return None if self.dim is None else ParamSlice(self.dim, self.segments, padded, self.pieces, self.cuts)
+
+
+def param_plan(name: str, role: str, sl: Optional[ParamSlice], shape: tuple, local: tuple, tied: tuple,
+               world_size: int) -> ParamPlan:
+    """The report of one parameter cut by `sl`: its padding per segment and pieces per segment spelled out."""
+    if sl is None:
+        return ParamPlan(name, role, None, None, shape, local, tied, world_size=world_size)
+    padded = tuple(sl.pads()) if sl.seg_padded else sl.padded
+    counts = tuple(sl.counts(world_size)) if sl.shared(world_size) else None
+    return ParamPlan(name, role, sl.dim, sl.segments, shape, local, tied, padded, sl.pieces, counts, sl.cuts,
+                     world_size)
 
 
 @dataclass
@@ -98,9 +110,6 @@ def build_plan(gm: GraphModule, decided: Decisions, ctx: PassContext) -> Plan:
             role = "unread"
         local = slice_shape(t.shape, sl, decided.world_size)
         tied = tuple(n for n in decided.aliases(name) if n != name)
-        plan.parameters[name] = ParamPlan(name, role, None if sl is None else sl.dim,
-                                          None if sl is None else sl.segments, tuple(t.shape), local, tied,
-                                          None if sl is None else sl.padded, None if sl is None else sl.pieces,
-                                          None if sl is None else sl.seg_pieces, None if sl is None else sl.cuts)
+        plan.parameters[name] = param_plan(name, role, sl, tuple(t.shape), local, tied, decided.world_size)
     return plan
 

@@ -21,7 +21,7 @@ from tpcompile.passes.rewrite_slices import gather_tokens, local_slice, reduce_p
 from tpcompile.passes.rewrite_stats import emit_stats, is_stats
 from tpcompile.passes.rewrite_tables import emit_owned, emit_vocab
 from tpcompile.placement import (REPLICATE, Partial, Replicate, Shard, cut_from_shared, is_seq, local_shape,
-                                 local_sizes, padded_local, shape_key, slice_shape)
+                                 padded_local, shape_key, slice_shape)
 from tpcompile.sharding_rules.rule_context import Want, param_behind, weight_view
 
 aten = torch.ops.aten
@@ -204,7 +204,7 @@ def _piece_params(em: _Emitter, node: Node) -> dict[Node, Node]:
         behind = param_behind(arg, 0, depth=5) if p is None else None  # a kernel viewed as `w.squeeze(1)`
         at, p = (arg, behind[0]) if behind is not None and behind[1] == 0 else (p, p)  # summed at the view's dim 0
         sl = em.plan.slice_for(p.target) if p is not None else None
-        if sl is not None and (sl.pieces or sl.seg_pieces):
+        if sl is not None and (sl.pieces or sl.shared(em.ws)):
             if ("pieces", at) not in em.cache:
                 em.cache[("pieces", at)] = _summed_pieces(em, em.env[at], sl)
             summed = em.cache[("pieces", at)]
@@ -216,12 +216,12 @@ def _piece_params(em: _Emitter, node: Node) -> dict[Node, Node]:
 def _summed_pieces(em: _Emitter, w: Node, sl: Any) -> Node:
     """The weight, its gradient summed over the ranks sharing each piece (per segment for a fused q|k|v)."""
     piece = torch.ops.tpcompile.grad_piece_all_reduce.default
-    if not sl.seg_pieces:
+    if not sl.shared(em.ws):
         return em.call(piece, w, sl.dim, sl.pieces, em.plan.group)
-    sizes = local_sizes(sl.segments, sl.seg_pieces, em.ws, sl.padded)
+    sizes = sl.seg_local(em.ws)
     parts = em.call(aten.split_with_sizes.default, w, sizes, sl.dim)
     runs = [em.call(operator.getitem, parts, k) for k in range(len(sizes))]
-    runs = [em.call(piece, r, sl.dim, g, em.plan.group) if g < em.ws else r for r, g in zip(runs, sl.seg_pieces)]
+    runs = [em.call(piece, r, sl.dim, g, em.plan.group) if g < em.ws else r for r, g in zip(runs, sl.counts(em.ws))]
     return em.call(aten.cat.default, runs, sl.dim)
 
 
@@ -232,7 +232,7 @@ def _emit_output(em: _Emitter, node: Node, gather: bool) -> None:
             return em._once(("reduce", n), tp.all_reduce.default, em.env[n], em.plan.group)
         if isinstance(p, Shard) and gather:
             out = em._once(("gather", n), tp.all_gather_replicated.default, em.env[n], p.dim, em.plan.group)
-            if p.padded is not None:  # drop the zero padding past the real size
+            if p.padding is not None:  # drop the zero padding past the real size
                 out = em._once(("unpad", n), aten.slice.Tensor, out, p.dim, 0, int(n.meta["val"].shape[p.dim]))
             return out
         return em.env[n]
@@ -280,11 +280,10 @@ def _localize_one(em: _Emitter, node: Node, args: list, kind: str, i: int, pos: 
                 and (isinstance(sizes[pos], Node) or sizes[pos] != -1):  # batch x padded heads: outer x local heads
             with em.graph.inserting_before(node):
                 outer = size_node(em, p.outer)
-                per = padded_local(p.padded, p.seg_pieces, ws)
+                per = p.padded // ws
                 sizes[pos] = outer * per if isinstance(outer, int) else em.call(operator.mul, outer, per)
         elif isinstance(sizes[pos], int) and sizes[pos] != -1:
-            padded = getattr(p, "padded", None) if isinstance(p, Shard) else None
-            local = padded_local(padded, p.seg_pieces, ws) if padded else sizes[pos] // ws
+            local = padded_local(p, ws) if isinstance(p, Shard) and p.padding else sizes[pos] // ws
             sizes[pos] = local if ws == em.ws else sizes[pos] // ws
         elif isinstance(sizes[pos], Node):
             with em.graph.inserting_before(node):

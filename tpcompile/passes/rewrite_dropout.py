@@ -16,6 +16,7 @@ import torch
 from torch.fx import Node
 
 import tpcompile.ops.rng as rng
+from tpcompile.layouts import dim_layout
 from tpcompile.passes.rewrite_slices import size_node
 from tpcompile.placement import REPLICATE, Shard, segment_ranges
 from tpcompile.sharding_rules.rule_context import to_size
@@ -71,16 +72,15 @@ def split_spec(em: Any, placement: Any, shape: Sequence[Any]) -> list:
         n = block // placement.pieces
         k = rank // (ws // placement.pieces)
         runs = [(k * n, (k + 1) * n)]
-    elif placement.cuts is not None:  # explicit cuts: this rank's piece of each segment, from the segment's start
-        starts = [sum(placement.segments[:i]) for i in range(len(placement.segments))]
-        runs = [(o + c[rank], o + c[rank + 1]) for o, c in zip(starts, placement.cuts) if c[rank + 1] > c[rank]]
-    elif isinstance(placement.padded, tuple):  # segments each padded: this rank's block of each from its start
-        starts = [sum(placement.segments[:i]) for i in range(len(placement.segments))]  # (its zeros' positions
-        counts = placement.seg_pieces or [ws] * len(starts)              # run on: their values stay zero)
-        runs = [(o + rank // (ws // g) * (pad // g), o + (rank // (ws // g) + 1) * (pad // g))
-                for o, pad, g in zip(starts, placement.padded, counts)]
+    elif placement.cuts is not None:  # this rank's piece of each segment, from the segment's start (the positions
+        layout, runs, start = dim_layout(placement, None, ws), [], 0  # of its zeros run on: their values stay zero)
+        for seg in layout.segments:
+            k = layout.piece(seg, rank)
+            if seg.cuts[k + 1] > seg.cuts[k]:
+                runs.append((start + seg.cuts[k], start + seg.cuts[k + 1]))
+            start += seg.size
     else:
-        runs = segment_ranges(placement.padded or block, placement.segments, rank, ws, placement.seg_pieces)
+        runs = segment_ranges(placement.padded or block, placement.segments, rank, ws)
     return [d, rng.RUNS, block, len(runs), *[v for run in runs for v in run]]
 
 

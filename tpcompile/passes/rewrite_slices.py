@@ -45,7 +45,7 @@ def local_slice(em: Any, src: Node, node: Node, p: Shard, sync: bool = True, pie
     if sync and (val.is_floating_point() or val.is_complex()):
         src = em.call(tp.grad_all_reduce.default, src, em.plan.group)
     size = to_size(val.shape[p.dim])
-    if p.cuts is not None:  # explicit cuts: this rank's piece of each segment, its padding zeros
+    if p.rank_cuts or p.seg_padded:  # this rank's piece of each segment, its padding zeros
         runs = dim_layout(p, None, em.ws).runs(em.rank)
         return _blocks(em, src, p.dim, val.dim(), [(start, n, block) for start, _, n, block in runs])
     if p.padded is not None:  # this rank's block of the value zero-padded to p.padded (empty past the end)
@@ -65,7 +65,7 @@ def local_slice(em: Any, src: Node, node: Node, p: Shard, sync: bool = True, pie
         x = em.call(aten.unflatten.int, x, dim, [-1, block])
         dim += 1
     runs = [em.call(aten.narrow.default, x, dim, a, b - a)
-            for a, b in segment_ranges(block, p.segments, em.rank, em.ws, p.seg_pieces)]
+            for a, b in segment_ranges(block, p.segments, em.rank, em.ws, p.cuts)]
     x = runs[0] if len(runs) == 1 else em.call(aten.cat.default, runs, dim)
     return em.call(aten.flatten.using_ints, x, dim - 1, dim) if p.outer is not None else x
 
@@ -130,7 +130,7 @@ def zero_padding(em: Any, src: Node, x: Node) -> Node:
     input: the padding meets the padded columns of its weight, whose gradient would be the padding's values
     (sigmoid(0) = 0.5 after a padded MLP width) and train them away from zero."""
     p, val = em.plan.placement(src), src.meta.get("val")
-    if not isinstance(p, Shard) or p.padded is None and p.cuts is None or p.outer is not None \
+    if not isinstance(p, Shard) or p.padding is None and not p.rank_cuts or p.outer is not None \
             or not isinstance(val, torch.Tensor):
         return x
     runs = dim_layout(p, int(to_size(val.shape[p.dim])), em.ws).runs(em.rank)

@@ -77,7 +77,7 @@ def _reduce(o: _Ops, node: Node, lookup: Lookup) -> Node:
     local.meta.pop("val", None)
     if combine in ("sum", "mean"):
         out = o.call(tp.all_reduce.default, local, o.group)
-        if combine == "mean" and o.p.padded is not None:  # local means over padded slices: scale to the real size
+        if combine == "mean" and o.p.padding is not None:  # local means over padded slices: scale to the real size
             return o.call(aten.mul.Scalar, out, o.local[o.p.dim] / int(o.x.meta["val"].shape[o.p.dim]))
         return o.call(aten.div.Scalar, out, o.ws) if combine == "mean" else out
     shape = [1, *node.meta["val"].shape]

@@ -16,7 +16,7 @@ from tpcompile.errors import TPCompileError
 from tpcompile.passes.decisions import Decisions
 from tpcompile.passes.pass_context import describe, owner_path
 from tpcompile.layouts import dim_layout
-from tpcompile.placement import padded_segment_runs, segment_ranges, slice_placement
+from tpcompile.placement import segment_ranges, slice_placement
 
 REPORT = "this is a tpcompile bug; please report it with the model"
 
@@ -65,25 +65,17 @@ def check_tiling(name: str, shape: tuple, sl: Any, world_size: int) -> None:
         raise TPCompileError(f"parameter {name} of shape {list(shape)} is split on dim {sl.dim}, which it "
                              f"does not have; {way_out}")
     size = shape[sl.dim]
-    if sl.cuts is not None:  # explicit per-rank cuts of each segment
+    if sl.cuts is not None:  # each segment cut at its own bounds
         return _check_cuts(name, size, sl, world_size, way_out)
-    if isinstance(sl.padded, tuple):  # segments each zero-padded to its own size
-        return _check_padded_segments(name, size, sl, world_size, way_out)
     full = sl.padded or size
     if full < size or (sl.segments and sum(sl.segments) != full):
         raise TPCompileError(f"parameter {name}: split size {full} (segments {sl.segments}) does not match its "
                              f"dim {sl.dim} of size {size}; {way_out}")
     pieces = sl.pieces or world_size
-    segs = sl.segments or (full,)
-    counts = sl.seg_pieces or (pieces,) * len(segs)
-    if world_size % pieces or any(s % g or world_size % g for s, g in zip(segs, counts)):
+    if world_size % pieces or any(s % pieces for s in sl.segments or (full,)):
         raise TPCompileError(f"parameter {name}: dim {sl.dim} of size {full} (segments {sl.segments}) cannot be "
                              f"cut into {pieces} equal pieces for world size {world_size}; {way_out}")
-    if sl.seg_pieces:  # each segment's distinct pieces, held by one or more ranks
-        covered = sorted({r for rank in range(world_size)
-                          for r in segment_ranges(full, sl.segments, rank, world_size, sl.seg_pieces)})
-    else:
-        covered = sorted(r for rank in range(pieces) for r in segment_ranges(full, sl.segments, rank, pieces))
+    covered = sorted(r for rank in range(pieces) for r in segment_ranges(full, sl.segments, rank, pieces))
     pos = 0
     for a, b in covered:
         if a != pos or b > full:
@@ -96,31 +88,19 @@ def check_tiling(name: str, shape: tuple, sl: Any, world_size: int) -> None:
 
 
 def _check_cuts(name: str, size: int, sl: Any, world_size: int, way_out: str) -> None:
-    """Raise unless each segment has a cut per rank, in order and past its size, every rank holds as much, and the
-    ranks' real runs tile the dim."""
+    """Raise unless each segment's bounds are in order and hold it, its pieces divide the world size, every rank
+    holds as much, and the ranks' real runs (a piece several ranks share counted once) tile the dim."""
     segs, cuts = tuple(sl.segments or ()), tuple(sl.cuts)
     if len(segs) != len(cuts) or sum(segs) != size or any(
-            len(c) != world_size + 1 or c[0] != 0 or c[-1] < s or list(c) != sorted(c) for s, c in zip(segs, cuts)):
+            len(c) < 2 or world_size % (len(c) - 1) or c[0] != 0 or c[-1] < s or list(c) != sorted(c)
+            for s, c in zip(segs, cuts)):
         raise TPCompileError(f"parameter {name}: cuts {cuts} do not fit segments {segs} of dim {sl.dim} (size "
                              f"{size}) at world size {world_size}; {way_out}")
     layout = dim_layout(sl, size, world_size)
     if len({layout.local_size(r) for r in range(world_size)}) != 1:
         raise TPCompileError(f"parameter {name}: cuts {cuts} give the ranks different sizes; {way_out}")
-    _check_cover(name, sl.dim, size, sorted((a, a + n) for r in range(world_size)
-                                            for a, _, n, _ in layout.runs(r) if n > 0), way_out)
-
-
-def _check_padded_segments(name: str, size: int, sl: Any, world_size: int, way_out: str) -> None:
-    """Raise unless each segment's padding holds it, splits evenly, and the ranks' real runs tile the dim."""
-    segs, pads = tuple(sl.segments or ()), tuple(sl.padded)
-    counts = tuple(sl.seg_pieces or (world_size,) * len(segs))
-    if len(segs) != len(pads) or sum(segs) != size or any(p < s or p % g or world_size % g
-                                                          for s, p, g in zip(segs, pads, counts)):
-        raise TPCompileError(f"parameter {name}: segments {segs} padded to {pads} do not fit its dim {sl.dim} of "
-                             f"size {size} split {world_size} ways; {way_out}")
-    runs = sorted({(a, a + n) for r in range(world_size)  # pieces shared by several ranks counted once
-                   for a, _, n, _ in padded_segment_runs(segs, pads, r, world_size, sl.seg_pieces) if n > 0})
-    _check_cover(name, sl.dim, size, runs, way_out)
+    _check_cover(name, sl.dim, size, sorted({(a, a + n) for r in range(world_size)
+                                             for a, _, n, _ in layout.runs(r) if n > 0}), way_out)
 
 
 def _check_cover(name: str, dim: int, size: int, runs: list, way_out: str) -> None:

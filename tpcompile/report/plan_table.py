@@ -14,7 +14,7 @@ from rich.table import Table
 from tpcompile.ops.collectives import CollectiveEvent
 from tpcompile.ops.schedule import FORWARD_COLLECTIVES, collective_op
 from tpcompile.passes.pass_context import module_path
-from tpcompile.placement import padded_segment_runs, padding_sizes, rank_pieces
+from tpcompile.placement import rank_pieces
 from tpcompile.report.units import format_bytes as _bytes
 from tpcompile.report.wording import replicated_modules, short_reason, short_warning
 
@@ -72,17 +72,14 @@ def split_text(pp: Any) -> str:
     text = f"{pp.role}@{pp.dim}"
     if pp.segments and len(pp.segments) > 1:
         text += " " + "|".join(map(str, pp.segments))
+    sl, ws = pp.slice(), pp.world_size
+    held = [sum(n for _, _, n in rank_pieces(sl, pp.global_shape[pp.dim], r, ws)) for r in range(ws)]
     if pp.padded:  # and what each rank holds of the real size, the rest zeros: 'padded 64 (16|16|16|0)'
-        pads = padding_sizes(pp.padded)
-        segs = pp.segments if len(pads) > 1 else (pp.global_shape[pp.dim],)
-        ws = max(pp.seg_pieces) if pp.seg_pieces else sum(pads) // pp.local_shape[pp.dim]
-        held = [sum(n for _, _, n, _ in padded_segment_runs(segs, pads, r, ws, pp.seg_pieces)) for r in range(ws)]
+        pads = pp.padded if isinstance(pp.padded, tuple) else (pp.padded,)
         text += f" padded {'+'.join(map(str, pads))} ({'|'.join(map(str, held))})"
     if pp.pieces:
         text += f" {pp.pieces} pieces"
-    if pp.cuts:  # each rank's real part of its one piece: 'cut 16|8|16|8' (a kv group's heads split 2 | 1)
-        ws = len(pp.cuts[0]) - 1
-        held = [sum(n for _, _, n in rank_pieces(pp.slice(), pp.global_shape[pp.dim], r, ws)) for r in range(ws)]
+    if sl.rank_cuts:  # each rank's real part of its one piece: 'cut 16|8|16|8' (a kv group's heads split 2 | 1)
         text += f" cut {'|'.join(map(str, held))}"
     return text
 

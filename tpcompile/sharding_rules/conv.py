@@ -141,7 +141,7 @@ def _own_groups(node: Node, spec: RuleSpec, ctx: RuleContext, src: Node, px: Sha
     output's, the group count local (over a zero-padded split or one in segments or pieces, the local channels
     over `group` channels a group: one group per local channel for a depthwise convolution, padding included)."""
     x, w, b = (_arg(node, spec.get(k)) for k in ("input", "weight", "bias"))
-    sl = ParamSlice(0, channels.segments, channels.padded, channels.pieces, channels.seg_pieces)
+    sl = ParamSlice(0, channels.segments, channels.padded, channels.pieces, channels.cuts)
     params: dict[Node, Optional[ParamSlice]] = {src: sl}
     if isinstance(b, Node) and ctx.param(b) is not None:
         params[b] = sl
@@ -156,8 +156,7 @@ def _own_groups(node: Node, spec: RuleSpec, ctx: RuleContext, src: Node, px: Sha
 def _segmented_channels(p: Any) -> bool:
     """Channels (dim 1) split in segments, each over every rank (zero-padded each or not): q|k|v joined by a cat."""
     return isinstance(p, Shard) and p.dim == 1 and p.segments is not None and not p.seq and p.pieces is None \
-        and p.outer is None and p.split_next is None \
-        and (p.padded is None or isinstance(p.padded, tuple))
+        and p.outer is None and p.split_next is None and p.padded is None
 
 
 def _pieced_channels(p: Any) -> bool:

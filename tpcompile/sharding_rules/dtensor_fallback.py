@@ -133,7 +133,7 @@ class _Schema:
         self.shapes.append(shape)
         self.key.append((tuple(shape), val.dtype, p))
         if isinstance(p, Shard):
-            if p.padded is not None or p.split_next is not None:
+            if p.padding is not None or p.split_next is not None:
                 raise _Unsupported(f"{p}: zero padding or a split of the next dim")
             self.layouts.add(replace(p, dim=0))
             self.split_sizes.add(shape[p.dim])

@@ -46,7 +46,7 @@ def einsum(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     # a value whole on every rank (one kv head for all, `pieces=1`) is read as it is, on whatever index
     split = [(t, p) for t, p in split if p.pieces != 1] or split
     letters = {t[p.dim] for t, p in split}
-    if len(letters) != 1 or len({(p.segments, p.padded, p.pieces, p.outer) for _, p in split}) != 1:
+    if len(letters) != 1 or len({(p.segments, p.padding, p.pieces, p.outer) for _, p in split}) != 1:
         return Result(REPLICATE, whole, conflict="einsum operands sharded on different indices")
     letter, like = letters.pop(), replace(split[0][1], split_next=None)
     if letter not in out:

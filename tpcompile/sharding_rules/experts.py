@@ -15,13 +15,13 @@ expert ids, sharding_rules/slicing.py's `index`) carry the parameter's split to 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch.fx import Node
 
-from tpcompile.placement import PARTIAL, REPLICATE, ParamSlice, Replicate, Shard, padded_size, shard
+from tpcompile.placement import PARTIAL, REPLICATE, ParamSlice, Replicate, Shard, padded_size, segmented
 from tpcompile.sharding_rules.contract_readers import REFUSED, TAKEN
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want
@@ -156,11 +156,9 @@ def weight_contract(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         letter = _split_index(kept, tw, tout, view, spec, ctx.world_size)
         pdim, odim = view.dims[tw.index(letter)], tout.index(letter)
         segments = _segments(letter, tw, tout, view, spec)
-        out = shard(odim, segments)
-        if any(s % ctx.world_size for s in segments):  # zero-padded to a multiple of the ranks, each segment its own
-            pads = tuple(padded_size(s, ctx.world_size) for s in segments)
-            out = replace(out, padded=pads[0] if len(pads) == 1 else pads)
-        params[view.param] = ParamSlice(pdim, out.segments, out.padded)
+        # zero-padded to a multiple of the ranks, each segment its own
+        out = segmented(odim, segments, ctx.world_size, [padded_size(s, ctx.world_size) for s in segments])
+        params[view.param] = ParamSlice(pdim, out.segments, out.padded, cuts=out.cuts)
         return Result(out, [ctx.replicated_want(act, out)] + [ctx.replicated_want(o, out) for o in others],
                       role="column", params=params)
     letter = ta[px.dim] if isinstance(px, Shard) and px.dim < len(ta) else None
@@ -168,5 +166,5 @@ def weight_contract(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if letter is None or letter in tout or pdim is None or px.pieces is not None or px.outer is not None:
         return Result(REPLICATE, whole, params=params,
                       conflict=f"input split as {px}, not along the features the weight contracts ({eq})")
-    params[view.param] = ParamSlice(pdim, px.segments, px.padded)  # zero-padded rows meet the input's zeros
+    params[view.param] = ParamSlice(pdim, px.segments, px.padded, cuts=px.cuts)  # padded rows meet the input's zeros
     return Result(PARTIAL, [Want(act, px)] + [Want(o, REPLICATE) for o in others], role="row", params=params)

@@ -6,7 +6,7 @@ from typing import Optional
 
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Shard, moved, padding_sizes, split_dims
+from tpcompile.placement import REPLICATE, Shard, moved, seg_cuts, split_dims
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want
 from tpcompile.sharding_rules.shape import ALONG, along
@@ -46,19 +46,18 @@ def _segments_of(tensors: list, dim: int, ctx: RuleContext) -> Optional[Shard]:
     for t in tensors:
         p, size = ctx.placement(t), ctx.shape(t)[dim]
         if not isinstance(p, Shard) or p.dim != dim or p.seq or not isinstance(size, int) or \
-                p.seg_pieces is not None or p.outer is not None or p.split_next is not None or \
+                p.shared(ctx.world_size) or p.rank_cuts or p.outer is not None or p.split_next is not None or \
                 (p.pieces is not None and (p.segments is not None or p.padded is not None)):
             return None
         own = list(p.segments) if p.segments else [size]
         segs += own
-        pads += list(padding_sizes(p.padded)) if p.padded is not None else own
+        pads += [p.padded] if p.padded is not None else p.pads() if p.cuts is not None else own
         pieces += [p.pieces or ctx.world_size] * len(own)
-        if p.padded is not None and not isinstance(p.padded, tuple) and len(own) != 1:
+        if p.padded is not None and len(own) != 1:
             return None
     if len(segs) < 2:
         return None
-    seg_pieces = tuple(pieces) if any(g < ctx.world_size for g in pieces) else None
-    return Shard(dim, tuple(segs), padded=None if pads == segs else tuple(pads), seg_pieces=seg_pieces)
+    return Shard(dim, tuple(segs), cuts=seg_cuts(segs, ctx.world_size, pads, pieces))
 
 
 def _skipped(shape: object) -> bool:

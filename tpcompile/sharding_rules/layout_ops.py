@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Replicate, Shard, moved, split_dims
+from tpcompile.placement import REPLICATE, Replicate, Shard, moved, seg_cuts, split_dims
 from tpcompile.sharding_rules.dtensor_fallback import dtensor_result
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim
@@ -43,10 +43,11 @@ def repeat_interleave(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if p.pieces is None:
         if p.plain_padded:  # each rank repeats its padded entries: the padding, repeated, stays at the end
             return Result(replace(p, padded=p.padded * repeats), [Want(x, p)])
-        if p.padded is not None or p.outer is not None:
+        if p.padding is not None or p.outer is not None or p.rank_cuts:
             return _fail(x, f"repeats along a dim split as {p}")
         segments = None if p.segments is None else tuple(s * repeats for s in p.segments)
-        return Result(replace(p, segments=segments), [Want(x, p)])
+        cuts = None if p.cuts is None else seg_cuts(segments, ctx.world_size, counts=p.counts(ctx.world_size))
+        return Result(replace(p, segments=segments, cuts=cuts), [Want(x, p)])
     share = ctx.world_size // p.pieces  # ranks holding each piece
     size = ctx.shape(x)[dim]
     if p.pieces == 1 and p.split_next is None and repeats % share:  # whole on every rank: repeated whole, each

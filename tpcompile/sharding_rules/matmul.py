@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 from torch.fx import Node
 
-from tpcompile.placement import PARTIAL, REPLICATE, Replicate, Shard, group_cuts, moved, padded_size, shard_of
+from tpcompile.placement import PARTIAL, REPLICATE, Replicate, Shard, group_cuts, moved, padded_size, segmented
 from tpcompile.sharding_rules.pieces import piece_matmul
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Choice, ParamSlice, Result, RuleContext, Want, weight_view
@@ -54,21 +54,18 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         if unit and len(segments) == (len(unit) if isinstance(unit, tuple) else 1):
             units = [_unit(s, u) for s, u in zip(segments, unit if isinstance(unit, tuple) else (unit,))]
         bad = [s for s, g, u in zip(segments, counts, units) if s % (g * u)]  # each rank keeps whole heads
-        padded: Any = None
+        pads = None
         if bad:  # zero-padded to a multiple of the world size (each segment to its own; segments in fewer
             # pieces than ranks, multi-query's one kv head, as they are); fine up to a row split or the output
-            pads = tuple(padded_size(s, ctx.world_size * u) if g == ctx.world_size else s
-                         for s, u, g in zip(segments, units, counts))
-            padded = pads[0] if len(pads) == 1 else pads
+            pads = [padded_size(s, ctx.world_size * u) if g == ctx.world_size else s
+                    for s, u, g in zip(segments, units, counts)]
         pieces = ctx.pieces_of(node) or (counts[0] if len(segments) == 1 and counts[0] < ctx.world_size else None)
         if pieces:  # fewer pieces than ranks: each held by several ranks (MQA's one kv head: by all)
-            segments, padded, counts = (wshape[out_dim],), None, [ctx.world_size]
-        seg_pieces = tuple(counts) if any(g < ctx.world_size for g in counts) else None
-        out = replace(shard_of(len(ctx.shape(node)) - 1, segments, seg_pieces, ctx.world_size), padded=padded,
-                      pieces=pieces)
-        params[w] = ParamSlice(out_dim, out.segments, padded, pieces, out.seg_pieces)
+            segments, pads, counts = (wshape[out_dim],), None, [ctx.world_size]
+        out = replace(segmented(len(ctx.shape(node)) - 1, segments, ctx.world_size, pads, counts), pieces=pieces)
+        params[w] = ParamSlice(out_dim, out.segments, out.padded, pieces, out.cuts)
         if isinstance(b, Node):
-            params[b] = ParamSlice(0, out.segments, padded, pieces, out.seg_pieces)
+            params[b] = ParamSlice(0, out.segments, out.padded, pieces, out.cuts)
         return Result(out, [ctx.replicated_want(x, out)], role="column", params=params)
     if isinstance(px, Shard) and px.pieces is not None:
         # pieces shared by several ranks would be summed once per sharing rank (2 query heads at 4 ranks)
@@ -107,7 +104,7 @@ def _group_cut(node: Node, spec: RuleSpec, ctx: RuleContext, x: Node, w: Node, b
 def _batch_split(px: Any, xshape: Any, bias: Any) -> bool:
     """An input split (plainly, or zero-padded when no bias makes the padding non-zero) on a leading dim of x @ W."""
     return isinstance(px, Shard) and xshape is not None and px.dim < len(xshape) - 1 and not px.seq \
-        and px.segments is None and px.pieces is None and px.outer is None and px.seg_pieces is None \
+        and px.segments is None and px.pieces is None and px.outer is None and px.cuts is None \
         and (px.padded is None or not isinstance(bias, Node))
 
 
@@ -219,7 +216,7 @@ def sdpa(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     # whole heads per rank; heads zero-padded to a multiple of the ranks when their count does not divide
     # (the query's layout leads: keys and values laid out otherwise are blamed, so they are the ones kept whole)
     target = next((p for n in (q, k, v) if n not in one and isinstance(p := ctx.placement(n), Shard)
-                   and p.dim == 1 and (p.plain or p.plain_padded or p.cuts is not None)), Shard(1))
+                   and p.dim == 1 and (p.plain or p.plain_padded or p.rank_cuts)), Shard(1))
     for n in (k, v, mask, q):
         p = ctx.placement(n) if isinstance(n, Node) else None
         shared = p == Shard(1, pieces=1) and target.plain_padded  # whole on every rank: its padded part is cut

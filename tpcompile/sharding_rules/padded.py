@@ -13,7 +13,7 @@ import sympy
 import torch
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Shard, padding_sizes, shard_of
+from tpcompile.placement import REPLICATE, Shard, seg_cuts, segmented
 from tpcompile.sharding_rules.grouped import on_one
 from tpcompile.sharding_rules.rule_context import Result, Size, Want, exact_size, prod, sizes_equal
 
@@ -25,10 +25,10 @@ def padded_reshape(p: Shard, gi: Sequence[int], gj: Sequence[int], ins: Sequence
     The padded dim must lead its group of dims (nothing folded before it), and each rank's block of the padded
     elements must hold whole entries of the output dim that carries it: that dim is then padded the same way.
     """
-    why = f"reshape of a dim padded from {ins[p.dim]} to {p.padded} cuts through the padding"
-    if isinstance(p.padded, tuple) and not (p.outer or p.pieces or p.split_next or p.seq) and gi[0] == p.dim:
+    why = f"reshape of a dim padded from {ins[p.dim]} to {p.padding} cuts through the padding"
+    if p.seg_padded and not (p.outer or p.pieces or p.split_next or p.seq) and gi[0] == p.dim:
         return _segments_reshape(p, gi, gj, ins, outs, ws, why)
-    if p.segments or p.pieces or p.seg_pieces or p.split_next or p.seq:
+    if p.segments or p.pieces or p.cuts or p.split_next or p.seq:
         return None, why
     if p.outer is not None or gi[0] != p.dim:
         return _folded_reshape(p, gi, gj, ins, outs, why)
@@ -71,25 +71,24 @@ def _segments_reshape(p: Shard, gi: Sequence[int], gj: Sequence[int], ins: Seque
     """Padded segments through a reshape that keeps each segment's entries whole (Falcon's fused q|k|v viewed as
     (heads + 2, head_dim)): the segments and their paddings, in entries of the output dim."""
     inner = prod([ins[d] for d in gi[1:]])
-    counts = p.seg_pieces or (ws,) * len(p.segments)
+    counts, pads = p.counts(ws), p.pads()
     for u, d in enumerate(gj):
         if prod([outs[e] for e in gj[:u]]) != 1 or outs[d] == 1:
             continue
         q = prod([outs[e] for e in gj[u + 1:]])
-        sizes = [s * inner for s in p.segments] + [x * inner for x in p.padded]
+        sizes = [s * inner for s in p.segments] + [x * inner for x in pads]
         if not isinstance(q, int) or not isinstance(inner, int) or any(v % q for v in sizes) \
-                or any((x * inner // q) % g for x, g in zip(p.padded, counts)):
+                or any((x * inner // q) % g for x, g in zip(pads, counts)):
             return None, why
-        return replace(p, dim=d, segments=tuple(s * inner // q for s in p.segments),
-                       padded=tuple(x * inner // q for x in p.padded)), ""
+        segs = tuple(s * inner // q for s in p.segments)
+        return replace(p, dim=d, segments=segs, cuts=seg_cuts(segs, ws, [x * inner // q for x in pads], counts)), ""
     return None, why
 
 
 def split_padded_segments(node: Node, p: Shard, sizes: list[int], ws: int) -> Result:
     """split / chunk of a dim whose segments are each padded (a fused q|k|v by whole heads): every piece must be
     whole segments, and takes their padding; the local sizes are the padded ones over the ranks."""
-    x, segs, pads = node.args[0], list(p.segments), list(padding_sizes(p.padded))
-    counts = list(p.seg_pieces or [ws] * len(segs))
+    x, segs, pads, counts = node.args[0], list(p.segments), p.pads(), p.counts(ws)
     outs, local, k = [], [], 0
     for want in sizes:
         got, pad, gs = [], [], []
@@ -98,7 +97,7 @@ def split_padded_segments(node: Node, p: Shard, sizes: list[int], ws: int) -> Re
         if sum(got) != want:
             return Result(tuple(REPLICATE for _ in sizes), [Want(x, REPLICATE)],
                           conflict=f"split into {sizes} cuts through the padded segments {tuple(segs)}")
-        outs.append(on_one(padded_piece(p.dim, got, pad, gs, ws), node.meta["val"][len(outs)].shape))
+        outs.append(on_one(segmented(p.dim, got, ws, pad, gs), node.meta["val"][len(outs)].shape))
         local.append(sum(q // g for q, g in zip(pad, gs)))
     by_size = node.target in (torch.ops.aten.chunk.default, torch.ops.aten.split.Tensor)  # one size for all
     if by_size and (len(set(local[:-1])) > 1 or local[-1] > local[0]):  # the last part may only be shorter
@@ -106,16 +105,6 @@ def split_padded_segments(node: Node, p: Shard, sizes: list[int], ws: int) -> Re
                       conflict=f"{node.target} of padded segments whose parts differ in size on a rank ({local})")
     loc = None if node.target is torch.ops.aten.chunk.default else [("set", 1, local[0] if by_size else local, None)]
     return Result(tuple(outs), [Want(x, p)], localize=loc)
-
-
-def padded_piece(dim: int, segments: Sequence[int], pads: Sequence[int], counts: Sequence[int], ws: int) -> Shard:
-    """The split of whole segments cut from padded segments: plain, in pieces, padded, or padded per segment."""
-    if all(s == q for s, q in zip(segments, pads)):
-        return shard_of(dim, segments, counts, ws)
-    if len(segments) == 1:
-        return Shard(dim, padded=pads[0])
-    pieces = tuple(counts) if any(g < ws for g in counts) else None
-    return Shard(dim, tuple(segments), padded=tuple(pads), seg_pieces=pieces)
 
 
 # ops whose result is zero wherever their padded operands are zero (layouts, casts, f(0) = 0)
@@ -138,7 +127,7 @@ def zero_padded(x: Node, placement, depth: int = 24, rule: Any = None) -> bool:
     from tpcompile.sharding_rules.table import op_name
 
     p = placement(x)
-    if not isinstance(p, Shard) or p.padded is None:
+    if not isinstance(p, Shard) or p.padding is None:
         return False
     if depth <= 0 or not isinstance(x, Node):
         return False
@@ -146,7 +135,7 @@ def zero_padded(x: Node, placement, depth: int = 24, rule: Any = None) -> bool:
     spec = rule(x)
     if spec is not None and spec.rule == "weight_matmul":
         act = x.args[0] if x.args else None
-        if isinstance(act, Node) and isinstance(placement(act), Shard) and placement(act).padded is not None:
+        if isinstance(act, Node) and isinstance(placement(act), Shard) and placement(act).padding is not None:
             return zero_padded(act, placement, depth - 1, rule) and (len(x.args) < 3 or x.args[2] is None)
         return True
     name = op_name(x.target) if x.op == "call_function" else ""
@@ -157,7 +146,7 @@ def zero_padded(x: Node, placement, depth: int = 24, rule: Any = None) -> bool:
     if name in ("aten.add.Tensor", "aten.sub.Tensor") and not isinstance(x.args[1], Node):
         return False  # x + 1 fills the padding
     tensors = [a for a in x.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
-    padded = [a for a in tensors if isinstance(placement(a), Shard) and placement(a).padded is not None]
+    padded = [a for a in tensors if isinstance(placement(a), Shard) and placement(a).padding is not None]
     if name in ("aten.mul.Tensor",):  # one zero factor makes the product zero
         return any(zero_padded(a, placement, depth - 1, rule) for a in padded)
     if name == "aten.div.Tensor":  # zeros over a divisor that is not padded (not 0 / 0)

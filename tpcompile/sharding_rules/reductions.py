@@ -124,7 +124,7 @@ def _weight_of(node: Node) -> Any:
 
 def _splittable(p: Any) -> bool:
     """A split whose ranks hold equal, distinct, unpadded parts (what partial statistics add up)."""
-    return isinstance(p, Shard) and p.padded is None and p.pieces is None and p.split_next is None
+    return isinstance(p, Shard) and p.padding is None and p.pieces is None and p.split_next is None
 
 
 def _dims(node: Node, spec: RuleSpec, nd: int) -> list[int]:

@@ -8,7 +8,7 @@ import sympy
 import torch
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Replicate, Shard, local_sizes, moved, shard, shard_of, split_dims
+from tpcompile.placement import REPLICATE, Replicate, Shard, moved, segmented, shard, split_dims
 from tpcompile.sharding_rules.group_cuts import cuts_local, cuts_reshape, padded_groups
 from tpcompile.sharding_rules.grouped import cut_later, grouped, on_one, regroup
 from tpcompile.sharding_rules.padded import padded_reshape, split_padded_segments
@@ -101,9 +101,9 @@ def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: i
             continue
         if len(gi) == 1 and len(gj) == 1:
             return moved(p, gj[0]), ""
-        if p.cuts is not None:  # a group's query heads split among the ranks sharing its kv head
+        if p.rank_cuts:  # a group's query heads split among the ranks sharing its kv head
             return cuts_reshape(p, gi, gj, ins, outs)
-        if p.padded is not None:
+        if p.padding is not None:
             return padded_reshape(p, gi, gj, ins, outs, ws)
         t = gi.index(p.dim)
         count = (p.outer or 1) * prod([ins[d] for d in gi[:t]])
@@ -118,10 +118,10 @@ def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: i
             q, pre = prod(outs_g[u + 1:]), prod(outs_g[:u])
             if size == 1 or not isinstance(q, int) or any(f % q for f in blocks):
                 continue
-            if p.seg_pieces is not None:  # segments in fewer pieces than ranks (MQA's kv): one run of them, as is
-                one = [f // q for f in blocks]
-                if sizes_equal(pre, count) and size == sum(one) and not any(s % g for s, g in zip(one, p.seg_pieces)):
-                    return shard_of(gj[u], one, p.seg_pieces, ws), ""
+            if p.cuts is not None:  # segments in fewer pieces than ranks (MQA's kv): one run of them, as is
+                one, counts = [f // q for f in blocks], p.counts(ws)
+                if sizes_equal(pre, count) and size == sum(one) and not any(s % g for s, g in zip(one, counts)):
+                    return segmented(gj[u], one, ws, counts=counts), ""
                 continue
             one = period([f // q for f in blocks])
             k = len(blocks) // len(one)  # repetitions inside one run of blocks
@@ -176,19 +176,19 @@ def reshape(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         # (.., N) viewed as (.., 1, N): one head of N, which whole heads cannot split (one group for a norm can)
         return _fail(node, f"reshape makes 1 head of {outs[out.dim]}; one head cannot be split "
                            f"across {ctx.world_size} ranks")
-    cut = cuts_local(out, ctx.world_size) if out.cuts is not None else None  # a cut dim's size on every rank
-    if out.cuts is not None and cut is None:
+    cut = cuts_local(out, ctx.world_size) if out.rank_cuts else None  # a cut dim's size on every rank
+    if out.rank_cuts and cut is None:
         return _fail(node, f"reshape gives the ranks different sizes of the explicitly cut dim {out.dim}")
     res = Result(out, [Want(x, p)])
-    if spec.get("shape_arg") is not None and (out.seg_pieces is not None or out.cuts is not None):
-        local = sum(local_sizes(out.segments, out.seg_pieces, ctx.world_size, out.padded)) if cut is None else cut
+    if spec.get("shape_arg") is not None and (out.shared(ctx.world_size) or out.rank_cuts):
+        local = sum(out.seg_local(ctx.world_size)) if cut is None else cut
         res.localize = [("shape_set", spec.get("shape_arg"), (out.dim, local), None)]
     elif spec.get("shape_arg") is not None:
         res.localize = [("shape", spec.get("shape_arg"), out.dim, out.pieces)]
     elif spec.get("sizes_arg") is not None:  # unflatten: sizes of the dims that replace `dim`
         first = norm_dim(node.args[spec.get("dim_arg")], len(ctx.shape(x)))
         if 0 <= out.dim - first < len(node.args[spec.get("sizes_arg")]):
-            res.localize = [("shape", spec.get("sizes_arg"), out.dim - first, out.pieces)] if out.cuts is None else \
+            res.localize = [("shape", spec.get("sizes_arg"), out.dim - first, out.pieces)] if not out.rank_cuts else \
                 [("shape_set", spec.get("sizes_arg"), (out.dim - first, cut), None)]
     if res.localize and out.split_next and res.localize[0][0] == "shape":  # the next dim, split within a piece
         res.localize.append(("shape", res.localize[0][1], res.localize[0][2] + 1, out.split_next))
@@ -274,12 +274,12 @@ def split(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return _fail(node, f"split along dim {dim}, which is split within pieces")
     if p.dim != dim:
         return Result(tuple(p for _ in pieces), [Want(x, p)])
-    if isinstance(p.padded, tuple):  # segments each padded to its own size: pieces of whole padded segments
+    if p.seg_padded:  # segments each padded to its own size: pieces of whole padded segments
         return split_padded_segments(node, p, [int(s[dim]) for s in pieces], ctx.world_size)
     if p.padded is not None:
         return _fail(node, f"split of a dim padded to {p.padded}")
     segs, ws = list(p.segments or (ctx.shape(x)[dim],)), ctx.world_size
-    counts = list(p.seg_pieces or [ws] * len(segs))
+    counts = p.counts(ws)
     outs, local, k = [], [], 0
     for shape in pieces:
         want, got, gs = int(shape[dim]), [], []
@@ -288,11 +288,11 @@ def split(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         if sum(got) != want:
             return _fail(node, f"split into {[int(s[dim]) for s in pieces]} cuts through the per-rank "
                                f"blocks {segs} of dim {dim}")
-        outs.append(on_one(shard_of(dim, got, gs, ws), shape))
-        local.append(sum(local_sizes(got, gs, ws)))
-    if any(int(s[dim]) % ws for s, o in zip(pieces, outs) if o.pieces is None and o.seg_pieces is None):
+        outs.append(on_one(segmented(dim, got, ws, counts=gs), shape))
+        local.append(sum(s // g for s, g in zip(got, gs)))
+    if any(int(s[dim]) % ws for s, o in zip(pieces, outs) if o.pieces is None and o.cuts is None):
         return _fail(node, "a split piece is not divisible by the world size")
-    if p.seg_pieces is None:
+    if not p.shared(ws):
         return Result(tuple(outs), [Want(x, p)], localize=[("split", 1, dim, None)])
     if node.target is torch.ops.aten.chunk.default and len(set(local)) > 1:
         return _fail(node, f"chunk of segments whose parts differ in size on a rank ({local})")

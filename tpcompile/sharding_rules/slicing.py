@@ -12,8 +12,7 @@ from typing import Any, Optional
 import torch
 from torch.fx import Node
 
-from tpcompile.placement import PARTIAL, REPLICATE, Replicate, Shard, local_sizes, moved, shard_of, split_dims
-from tpcompile.sharding_rules.padded import padded_piece
+from tpcompile.placement import PARTIAL, REPLICATE, Replicate, Shard, moved, segmented, split_dims
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim, sizes_equal
 from tpcompile.sharding_rules.table import RuleSpec
@@ -53,7 +52,6 @@ def slice_(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return Result(p, [Want(x, p)])
     args = list(node.args) + [None] * (5 - len(node.args))
     start, end = (_bound(args[2], size, 0), _bound(args[3], size, size)) if isinstance(size, int) else (None, None)
-    per_segment = isinstance(p.padded, tuple)  # segments each padded to its own size: slices of whole ones
     step = args[4]
     if isinstance(step, int) and step > 1 and p.plain and not p.seq and start is not None and start < step \
             and end == size and size % (ctx.world_size * step) == 0:
@@ -61,25 +59,19 @@ def slice_(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         # holds whole strides, so its own strided entries are the rank's share of the global ones
         ends = [("split", 3, dim, None)] if len(node.args) > 3 and node.args[3] == size else []
         return Result(Shard(dim), [Want(x, p)], localize=ends)
-    if start is None or end is None or args[4] not in (None, 1) or (p.padded and not per_segment) or p.outer \
-            or p.pieces:
+    if start is None or end is None or args[4] not in (None, 1) or p.padded or p.rank_cuts or p.outer or p.pieces:
         return _fail(node, "slice along the split dim")
     segs, ws = list(p.segments or (size,)), ctx.world_size
-    counts = list(p.seg_pieces or [ws] * len(segs))
+    counts, pads = p.counts(ws), p.pads() if p.cuts is not None else segs  # slices of whole (padded) segments
     bounds = [sum(segs[:k]) for k in range(len(segs) + 1)]
     if start not in bounds or end not in bounds or start >= end:
         return _fail(node, f"slice [{start}:{end}] along the split dim cuts through its segments {tuple(segs)}")
     i0, i1 = bounds.index(start), bounds.index(end)
     present = [i for i in (2, 3) if i < len(node.args) and isinstance(node.args[i], int)]
-    if per_segment:
-        local = [q // g for q, g in zip(p.padded, counts)]
-        at = {2: sum(local[:i0]), 3: sum(local[:i1])}
-        return Result(padded_piece(dim, segs[i0:i1], p.padded[i0:i1], counts[i0:i1], ws), [Want(x, p)],
-                      localize=[("set", i, at[i], None) for i in present])
-    out = shard_of(dim, segs[i0:i1], counts[i0:i1], ws)
-    if p.seg_pieces is None:  # every segment split evenly: a boundary's local position is the global one / ws
+    out = segmented(dim, segs[i0:i1], ws, pads[i0:i1], counts[i0:i1])
+    if p.cuts is None:  # every segment split evenly: a boundary's local position is the global one / ws
         return Result(out, [Want(x, p)], localize=[("split", i, dim, None) for i in present])
-    local = local_sizes(segs, counts, ws)  # segments of fewer pieces than ranks keep more of their size
+    local = p.seg_local(ws)  # padded segments, or segments of fewer pieces than ranks: their own local sizes
     at = {2: sum(local[:i0]), 3: sum(local[:i1])}
     return Result(out, [Want(x, p)], localize=[("set", i, at[i], None) for i in present])
 
@@ -133,14 +125,15 @@ def _whole_pick(p: Shard, positions: tuple, size: Any) -> bool:
     """True when constant `positions` along the split dim lie in one segment whole on every rank, and every
     segment between it and the end they count from is whole too, so they are the same positions locally
     (Falcon's multi-query `qkv[..., [-2], :]` picks its one key head)."""
-    if not isinstance(size, int) or not p.segments or not p.seg_pieces or len(set(q < 0 for q in positions)) != 1:
+    if not isinstance(size, int) or not p.even_segments or len(set(q < 0 for q in positions)) != 1:
         return False
+    counts = [len(c) - 1 for c in p.cuts]
     bounds = [sum(p.segments[:k]) for k in range(len(p.segments) + 1)]
     at = {next(k for k in range(len(p.segments)) if bounds[k] <= q % size < bounds[k + 1]) for q in positions}
     if len(at) != 1:
         return False
     i = at.pop()
-    return all(g == 1 for g in (p.seg_pieces[i:] if positions[0] < 0 else p.seg_pieces[:i + 1]))
+    return all(g == 1 for g in (counts[i:] if positions[0] < 0 else counts[:i + 1]))
 
 
 @rule("gather")
