@@ -66,7 +66,11 @@ class Cut:
     def shared(self, world_size: int) -> bool:
         """True when an evenly cut segment has fewer pieces than ranks (kv heads of a fused q|k|v fewer than
         ranks: each piece held by several ranks)."""
-        return self.even_segments and any(len(c) - 1 < world_size for c in self.cuts)
+        return self.even_segments and self.fewer(world_size)
+
+    def fewer(self, world_size: int) -> bool:
+        """True when some segment has fewer pieces than ranks, each held by several ranks (cut evenly or not)."""
+        return self.cuts is not None and any(len(c) - 1 < world_size for c in self.cuts)
 
     def pads(self) -> list[int]:
         """Each segment's size zero-padded (its size when not padded)."""
@@ -186,6 +190,13 @@ def segmented(dim: int, segments: Sequence[int], world_size: int, pads: Optional
     if len(segs) == 1:
         return Shard(dim)
     return Shard(dim, tuple(segs), cuts=seg_cuts(segs, world_size, pads, counts))
+
+
+def cut_shard(dim: int, segments: Sequence[int], cuts: Cuts, world_size: int) -> Shard:
+    """A Shard of `segments` cut at `cuts`, normalised: `segmented` when each segment is cut evenly."""
+    if all(is_even(c) for c in cuts):
+        return segmented(dim, segments, world_size, [c[-1] for c in cuts], [len(c) - 1 for c in cuts])
+    return Shard(dim, tuple(segments), cuts=tuple(cuts))
 
 
 def padded_local(p: Shard, world_size: int) -> int:

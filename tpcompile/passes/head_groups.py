@@ -14,7 +14,8 @@ When the world size is a multiple of the kv heads (4 kv heads at 8 ranks, each s
 third way, which holds the least: each kv head in a piece of its own, and its group of query heads split among
 the ranks sharing it, zero-padded to a multiple of them (3 heads at 2 ranks: 2 | 1 and a zero head; explicit
 cuts, sharding_rules/group_cuts.py). Separate query, key and value projections are split so whenever it applies
-(the query projection's `kv_groups`, the key and value projections' pieces, the kv repeats' `pad_within`).
+(the query projection's `kv_groups`, the key and value projections' pieces, the kv repeats' `pad_within`), and a
+fused q|k|v projection with more than one kv head too (its `kv_groups`: one cut of its q, k and v segments).
 
 This pass finds each attention's query, key and value projections (through the views, transposes, rotary
 embedding and kv repeats between them; one fused q|k|v projection's three segments too) and, where whole
@@ -71,27 +72,30 @@ def mark_head_groups(gm: GraphModule, ctx: PassContext) -> None:
         groups = 2 * -(-kv // ws) * rep + 2 * -(-kv // ws)  # q and o heads, k and v heads: padded groups
         replicated = 2 * -(-heads // ws) + 2 * kv  # q and o split by heads, k and v whole
         units = (rep * hd, hd, hd) if groups <= replicated else None  # q by whole groups; k and v padded by heads
-        if not fused and ws % kv == 0:  # kv heads in pieces, each group's query heads split among its ranks
-            _split_groups(found, node, kv, ws // kv, hd, ctx, units)
+        if ws % kv == 0 and (not fused or kv > 1):  # kv heads in pieces, each group's query heads cut among its ranks
+            _split_groups(found, node, kv, ws // kv, hd, ctx, units, fused)
         elif units:
             _set_units(found, fused, units)
 
 
 def _split_groups(found: list, attention: Node, kv: int, share: int, hd: int, ctx: PassContext,
-                  units: Optional[tuple]) -> None:
+                  units: Optional[tuple], fused: bool) -> None:
     """Each kv head in a piece of its own (held by `share` ranks), its group of query heads split among those ranks
     and zero-padded to a multiple of them (sharding_rules/group_cuts.py), the kv repeats between the key and
-    value projections and the attention padded alike (`pad_within`). `units`: the whole groups to fall back on
-    (None: kv-head replication), should propagation blame one of the three projections (give_up_group_cuts)."""
+    value projections and the attention padded alike (`pad_within`). A fused q|k|v projection gets it all in one
+    cut: its q segment by groups, its k and v segments in kv pieces (sharding_rules/matmul.py `_group_cut`).
+    `units`: the whole groups to fall back on (None: kv-head replication), should propagation blame one of the
+    three projections (give_up_group_cuts)."""
     q, k, v = found
     _add(q, kv_groups=(kv, share, hd))
-    ctx.pieces[k] = ctx.pieces[v] = kv
+    if not fused:
+        ctx.pieces[k] = ctx.pieces[v] = kv
     repeats = [n for arg, proj in zip(attention.args[1:3], (k, v)) for n in _between(arg, proj)
                if getattr(n.meta.get("tp_rule"), "rule", None) == "expand"]
     for n in repeats:
         _add(n, pad_within=True)
     for proj in found:
-        ctx.group_cuts[proj] = (tuple(found), tuple(repeats), units)
+        ctx.group_cuts[proj] = (tuple(found), tuple(repeats), units, fused)
 
 
 def give_up_group_cuts(blamed: set, ctx: PassContext) -> set:
@@ -102,7 +106,7 @@ def give_up_group_cuts(blamed: set, ctx: PassContext) -> set:
     for o in blamed & set(ctx.group_cuts):
         if o not in ctx.group_cuts:  # given up with another projection of its attention
             continue
-        found, repeats, units = ctx.group_cuts[o]
+        found, repeats, units, fused = ctx.group_cuts[o]
         for n in (*found, *repeats):
             spec = n.meta["tp_rule"]
             n.meta["tp_rule"] = RuleSpec(spec.rule, {a: b for a, b in spec.args.items()
@@ -110,7 +114,7 @@ def give_up_group_cuts(blamed: set, ctx: PassContext) -> set:
             ctx.pieces.pop(n, None)
             ctx.group_cuts.pop(n, None)
         if units:
-            _set_units(list(found), False, units)
+            _set_units(list(found), fused, units)
         undone |= set(found)
     return undone
 

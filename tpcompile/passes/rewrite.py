@@ -20,6 +20,7 @@ from tpcompile.passes.rewrite_regions import emit_region, is_region
 from tpcompile.passes.rewrite_slices import gather_tokens, local_slice, reduce_partial, size_node, zero_padding
 from tpcompile.passes.rewrite_stats import emit_stats, is_stats
 from tpcompile.passes.rewrite_tables import emit_owned, emit_vocab
+from tpcompile.layouts import dim_layout
 from tpcompile.placement import (REPLICATE, Partial, Replicate, Shard, cut_from_shared, is_seq, local_shape,
                                  padded_local, shape_key, slice_shape)
 from tpcompile.sharding_rules.rule_context import Want, param_behind, weight_view
@@ -204,7 +205,7 @@ def _piece_params(em: _Emitter, node: Node) -> dict[Node, Node]:
         behind = param_behind(arg, 0, depth=5) if p is None else None  # a kernel viewed as `w.squeeze(1)`
         at, p = (arg, behind[0]) if behind is not None and behind[1] == 0 else (p, p)  # summed at the view's dim 0
         sl = em.plan.slice_for(p.target) if p is not None else None
-        if sl is not None and (sl.pieces or sl.shared(em.ws)):
+        if sl is not None and (sl.pieces or sl.fewer(em.ws)):
             if ("pieces", at) not in em.cache:
                 em.cache[("pieces", at)] = _summed_pieces(em, em.env[at], sl)
             summed = em.cache[("pieces", at)]
@@ -216,12 +217,13 @@ def _piece_params(em: _Emitter, node: Node) -> dict[Node, Node]:
 def _summed_pieces(em: _Emitter, w: Node, sl: Any) -> Node:
     """The weight, its gradient summed over the ranks sharing each piece (per segment for a fused q|k|v)."""
     piece = torch.ops.tpcompile.grad_piece_all_reduce.default
-    if not sl.shared(em.ws):
+    if not sl.fewer(em.ws):
         return em.call(piece, w, sl.dim, sl.pieces, em.plan.group)
-    sizes = sl.seg_local(em.ws)
-    parts = em.call(aten.split_with_sizes.default, w, sizes, sl.dim)
-    runs = [em.call(operator.getitem, parts, k) for k in range(len(sizes))]
-    runs = [em.call(piece, r, sl.dim, g, em.plan.group) if g < em.ws else r for r, g in zip(runs, sl.counts(em.ws))]
+    # this rank's part of each segment (none of most of a kv group's query heads cut one piece a rank), and its count
+    sized = [(b - a, g) for (a, b), g in zip(dim_layout(sl, None, em.ws).blocks(em.rank), sl.counts(em.ws)) if b > a]
+    parts = em.call(aten.split_with_sizes.default, w, [n for n, _ in sized], sl.dim)
+    runs = [em.call(operator.getitem, parts, k) for k in range(len(sized))]
+    runs = [em.call(piece, r, sl.dim, g, em.plan.group) if g < em.ws else r for r, (_, g) in zip(runs, sized)]
     return em.call(aten.cat.default, runs, sl.dim)
 
 

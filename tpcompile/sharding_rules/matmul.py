@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 from torch.fx import Node
 
+from tpcompile.layouts import even_cuts
 from tpcompile.placement import PARTIAL, REPLICATE, Replicate, Shard, group_cuts, moved, padded_size, segmented
 from tpcompile.sharding_rules.pieces import piece_matmul
 from tpcompile.sharding_rules.registry import rule
@@ -90,10 +91,16 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
 
 def _group_cut(node: Node, spec: RuleSpec, ctx: RuleContext, x: Node, w: Node, b: Any, out_dim: int,
                params: dict) -> Result:
-    """A query projection whose kv groups are split within the ranks sharing each kv head (`group_cuts.py`)."""
+    """A query projection whose kv groups are split within the ranks sharing each kv head (`group_cuts.py`); a fused
+    q|k|v projection's k and v segments in kv pieces, each held by the ranks sharing it."""
     kv, share, head = spec.get("kv_groups")
-    size = ctx.shape(w)[out_dim] // kv  # one group's features
-    cut = ParamSlice(out_dim, (size,) * kv, cuts=group_cuts(kv, size, head, share, ctx.world_size))
+    fused = ctx.segment_hint(node)
+    fused = fused if fused and len(fused) == 3 and sum(fused) == ctx.shape(w)[out_dim] else None
+    size = (fused[0] if fused else ctx.shape(w)[out_dim]) // kv  # one group's features
+    segments, cuts = (size,) * kv, group_cuts(kv, size, head, share, ctx.world_size)
+    if fused:
+        segments, cuts = segments + tuple(fused[1:]), cuts + tuple(even_cuts(s, kv) for s in fused[1:])
+    cut = ParamSlice(out_dim, segments, cuts=cuts)
     params[w] = cut
     if isinstance(b, Node):
         params[b] = replace(cut, dim=0)

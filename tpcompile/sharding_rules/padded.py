@@ -13,7 +13,8 @@ import sympy
 import torch
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Shard, seg_cuts, segmented
+from tpcompile.layouts import dim_layout
+from tpcompile.placement import REPLICATE, Shard, cut_shard, seg_cuts
 from tpcompile.sharding_rules.grouped import on_one
 from tpcompile.sharding_rules.rule_context import Result, Size, Want, exact_size, prod, sizes_equal
 
@@ -85,20 +86,24 @@ def _segments_reshape(p: Shard, gi: Sequence[int], gj: Sequence[int], ins: Seque
     return None, why
 
 
-def split_padded_segments(node: Node, p: Shard, sizes: list[int], ws: int) -> Result:
-    """split / chunk of a dim whose segments are each padded (a fused q|k|v by whole heads): every piece must be
-    whole segments, and takes their padding; the local sizes are the padded ones over the ranks."""
-    x, segs, pads, counts = node.args[0], list(p.segments), p.pads(), p.counts(ws)
+def split_cut_segments(node: Node, p: Shard, sizes: list[int], ws: int) -> Result:
+    """split / chunk of a dim whose segments are cut at their own bounds (each padded: a fused q|k|v by whole
+    heads; one piece a rank: a fused q|k|v's kv groups cut among the ranks sharing them): every piece must be
+    whole segments, and takes their cuts; its local size, the same on every rank, is what a rank holds of them."""
+    x, segs, layout = node.args[0], list(p.segments), dim_layout(p, None, ws)
+    extents = [[b - a for a, b in layout.blocks(r)] for r in range(ws)]
     outs, local, k = [], [], 0
     for want in sizes:
-        got, pad, gs = [], [], []
-        while k < len(segs) and sum(got) < want:
-            got.append(segs[k]); pad.append(pads[k]); gs.append(counts[k]); k += 1
-        if sum(got) != want:
-            return Result(tuple(REPLICATE for _ in sizes), [Want(x, REPLICATE)],
-                          conflict=f"split into {sizes} cuts through the padded segments {tuple(segs)}")
-        outs.append(on_one(segmented(p.dim, got, ws, pad, gs), node.meta["val"][len(outs)].shape))
-        local.append(sum(q // g for q, g in zip(pad, gs)))
+        k0 = k
+        while k < len(segs) and sum(segs[k0:k]) < want:
+            k += 1
+        held = {sum(e[k0:k]) for e in extents}
+        if sum(segs[k0:k]) != want or len(held) != 1:
+            why = f"cuts through the padded segments {tuple(segs)}" if sum(segs[k0:k]) != want else \
+                f"gives the ranks different sizes of the segments {tuple(segs)} cut as {p}"
+            return Result(tuple(REPLICATE for _ in sizes), [Want(x, REPLICATE)], conflict=f"split into {sizes} {why}")
+        outs.append(on_one(cut_shard(p.dim, segs[k0:k], p.cuts[k0:k], ws), node.meta["val"][len(outs)].shape))
+        local.append(held.pop())
     by_size = node.target in (torch.ops.aten.chunk.default, torch.ops.aten.split.Tensor)  # one size for all
     if by_size and (len(set(local[:-1])) > 1 or local[-1] > local[0]):  # the last part may only be shorter
         return Result(tuple(REPLICATE for _ in sizes), [Want(x, REPLICATE)],

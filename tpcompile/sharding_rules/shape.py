@@ -11,7 +11,7 @@ from torch.fx import Node
 from tpcompile.placement import REPLICATE, Replicate, Shard, moved, segmented, shard, split_dims
 from tpcompile.sharding_rules.group_cuts import cuts_local, cuts_reshape, padded_groups
 from tpcompile.sharding_rules.grouped import cut_later, grouped, on_one, regroup
-from tpcompile.sharding_rules.padded import padded_reshape, split_padded_segments
+from tpcompile.sharding_rules.padded import padded_reshape, split_cut_segments
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import (Result, RuleContext, Size, Want, exact_size, norm_dim, period,
                                                     prod, sizes_equal)
@@ -274,8 +274,8 @@ def split(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return _fail(node, f"split along dim {dim}, which is split within pieces")
     if p.dim != dim:
         return Result(tuple(p for _ in pieces), [Want(x, p)])
-    if p.seg_padded:  # segments each padded to its own size: pieces of whole padded segments
-        return split_padded_segments(node, p, [int(s[dim]) for s in pieces], ctx.world_size)
+    if p.seg_padded or p.rank_cuts:  # segments each padded, or one piece a rank: pieces of whole cut segments
+        return split_cut_segments(node, p, [int(s[dim]) for s in pieces], ctx.world_size)
     if p.padded is not None:
         return _fail(node, f"split of a dim padded to {p.padded}")
     segs, ws = list(p.segments or (ctx.shape(x)[dim],)), ctx.world_size

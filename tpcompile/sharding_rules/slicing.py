@@ -12,7 +12,8 @@ from typing import Any, Optional
 import torch
 from torch.fx import Node
 
-from tpcompile.placement import PARTIAL, REPLICATE, Replicate, Shard, moved, segmented, split_dims
+from tpcompile.layouts import dim_layout
+from tpcompile.placement import PARTIAL, REPLICATE, Replicate, Shard, cut_shard, moved, segmented, split_dims
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim, sizes_equal
 from tpcompile.sharding_rules.table import RuleSpec
@@ -59,21 +60,27 @@ def slice_(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         # holds whole strides, so its own strided entries are the rank's share of the global ones
         ends = [("split", 3, dim, None)] if len(node.args) > 3 and node.args[3] == size else []
         return Result(Shard(dim), [Want(x, p)], localize=ends)
-    if start is None or end is None or args[4] not in (None, 1) or p.padded or p.rank_cuts or p.outer or p.pieces:
+    if start is None or end is None or args[4] not in (None, 1) or p.padded or p.outer or p.pieces:
         return _fail(node, "slice along the split dim")
     segs, ws = list(p.segments or (size,)), ctx.world_size
-    counts, pads = p.counts(ws), p.pads() if p.cuts is not None else segs  # slices of whole (padded) segments
     bounds = [sum(segs[:k]) for k in range(len(segs) + 1)]
     if start not in bounds or end not in bounds or start >= end:
         return _fail(node, f"slice [{start}:{end}] along the split dim cuts through its segments {tuple(segs)}")
     i0, i1 = bounds.index(start), bounds.index(end)
     present = [i for i in (2, 3) if i < len(node.args) and isinstance(node.args[i], int)]
-    out = segmented(dim, segs[i0:i1], ws, pads[i0:i1], counts[i0:i1])
     if p.cuts is None:  # every segment split evenly: a boundary's local position is the global one / ws
-        return Result(out, [Want(x, p)], localize=[("split", i, dim, None) for i in present])
-    local = p.seg_local(ws)  # padded segments, or segments of fewer pieces than ranks: their own local sizes
-    at = {2: sum(local[:i0]), 3: sum(local[:i1])}
-    return Result(out, [Want(x, p)], localize=[("set", i, at[i], None) for i in present])
+        return Result(segmented(dim, segs[i0:i1], ws), [Want(x, p)],
+                      localize=[("split", i, dim, None) for i in present])
+    # segments cut otherwise (padded, in fewer pieces than ranks, or one piece a rank): whole ones, at the local
+    # positions of their bounds, which must be the same on every rank
+    layout = dim_layout(p, None, ws)
+    at = {tuple(sum(b - a for a, b in layout.blocks(r)[:i]) for i in (i0, i1)) for r in range(ws)}
+    if len(at) != 1:
+        return _fail(node, f"slice [{start}:{end}] of segments cut as {p} starts or ends at different positions "
+                           f"on the ranks")
+    local = dict(zip((2, 3), at.pop()))
+    return Result(cut_shard(dim, segs[i0:i1], p.cuts[i0:i1], ws), [Want(x, p)],
+                  localize=[("set", i, local[i], None) for i in present])
 
 
 @rule("select", args={"dim_arg": int})
