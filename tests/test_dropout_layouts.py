@@ -19,7 +19,7 @@ from tpcompile.capture import Captured, capture
 from tpcompile.models import GPT, GPTConfig
 from tpcompile.passes.recompute import checkpoint_selective
 from tpcompile.passes.rewrite_dropout import split_spec
-from tpcompile.placement import ParamSlice, Shard, local_shape, rank_pieces, seg_cuts, slice_placement
+from tpcompile.placement import ParamSlice, Shard, local_shape, pad_cuts, rank_pieces, seg_cuts, slice_placement
 
 IDS = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(2))
 HF = {"phi3": dict(attention_dropout=0.2, resid_pdrop=0.2, num_hidden_layers=1),  # fused q|k|v, 2 kv heads
@@ -160,7 +160,7 @@ def _mask(shape: list[int], placement: object, rank: int, ws: int, rows_of: list
         return torch.ops.tpcompile_rng.dropout_mask(torch.ones(local), 0.5, "t", rank, split, rows_of, batch)
 
 
-@pytest.mark.parametrize("sl", [ParamSlice(1), ParamSlice(1, segments=(8, 4, 4)), ParamSlice(1, padded=20),
+@pytest.mark.parametrize("sl", [ParamSlice(1), ParamSlice(1, segments=(8, 4, 4)), ParamSlice(1, cuts=pad_cuts(20, 4)),
                                 ParamSlice(1, pieces=2),
                                 ParamSlice(1, (8, 4, 4), cuts=seg_cuts((8, 4, 4), 4, counts=(4, 2, 2))),
                                 ParamSlice(1, (8, 4, 4), cuts=seg_cuts((8, 4, 4), 4, (8, 8, 8)))])
@@ -186,7 +186,7 @@ def test_tokens_heads_kv_pieces_and_rows_tile_the_whole_mask() -> None:
         heads = _mask([12, 8], Shard(0, outer=2), r, 2, [1, 0], 2, rows=2)  # heads split, rows 2 and 3
         assert torch.equal(heads.view(2, 3, 8), whole[2:, 3 * r:3 * r + 3])
     for r in range(4):  # the 6 heads zero-padded to 8 at 4 ranks, folded with the batch: each rank's real heads
-        padded = _mask([24, 8], Shard(0, padded=8, outer=4), r, 4, [1, 0], 4).view(4, 2, 8)
+        padded = _mask([24, 8], Shard(0, outer=4, cuts=pad_cuts(8, 4)), r, 4, [1, 0], 4).view(4, 2, 8)
         real = max(0, min(2, 6 - 2 * r))
         assert torch.equal(padded[:, :real], whole[:, 2 * r:2 * r + real])
     kv = _mask([4, 2, 6, 5], None, 0, 1, [1, 0, 0, 0], 4)  # (batch, 2 kv heads, 6 repeats, head dim)

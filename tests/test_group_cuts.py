@@ -89,7 +89,7 @@ def test_hugging_face_attention_dropout_masks_equal_world_size_one() -> None:
             warnings.simplefilter("error", tpcompile.TPCompileWarning)
             sm = tpcompile.shard(model, ws, example_kwargs=kwargs)
         if ws == 8:
-            assert sm.plan.parameters["model.layers.0.self_attn.q_proj.weight"].cuts is not None
+            assert sm.plan.parameters["model.layers.0.self_attn.q_proj.weight"].slice().rank_cuts
         rng.seed(3)
         outs[ws] = [o.logits for o in tpcompile.simulate(sm, **kwargs)]
     for out in outs[8]:
@@ -156,7 +156,7 @@ def test_a_whole_per_head_value_is_cut_like_the_heads() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", tpcompile.TPCompileWarning)
         sm = tpcompile.shard(model, 8, example_inputs=(torch.randn(2, 8, 40),))
-    assert sm.plan.parameters["q.weight"].cuts is not None and sm.plan.parameters["gate"].dim is None
+    assert sm.plan.parameters["q.weight"].slice().rank_cuts and sm.plan.parameters["gate"].dim is None
     assert [op for op, _ in sm.collectives()] == ["all_reduce"]
     _exact(model, sm, torch.randn(2, 11, 40), torch.randn(2, 7, 40))
 
@@ -190,7 +190,7 @@ def test_a_norm_over_a_whole_projection_gives_the_group_cut_up() -> None:
         warnings.simplefilter("error", tpcompile.TPCompileWarning)
         sm = tpcompile.shard(model, 8, example_inputs=(torch.randn(2, 8, 40),))
     q, k = sm.plan.parameters["q.weight"], sm.plan.parameters["k.weight"]
-    assert (q.cuts, q.padded, q.local_shape) == (None, 96, (12, 40))  # 4 groups of 3 heads padded to 8 groups
+    assert (q.slice().rank_cuts, q.padded, q.local_shape) == (False, 96, (12, 40))  # 4 groups of 3 heads padded to 8
     assert (k.pieces, k.local_shape) == (None, (4, 40)) and not sm.plan.replicated
     _exact(model, sm, torch.randn(2, 11, 40), torch.randn(2, 7, 40))
 
@@ -238,7 +238,7 @@ def test_sequence_parallel_keeps_the_group_cut() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", tpcompile.TPCompileWarning)
         sm = tpcompile.shard(model, 8, example_inputs=(torch.randn(2, 8, 40),), sequence_parallel=True)
-    assert sm.plan.parameters["blocks.0.attn.q.weight"].cuts is not None
+    assert sm.plan.parameters["blocks.0.attn.q.weight"].slice().rank_cuts
     assert sorted(op for op, _ in sm.collectives()) == ["all_gather"] * 3 + ["all_gather_replicated"] \
         + ["reduce_scatter"] * 4
     _exact(model, sm, torch.randn(2, 16, 40), torch.randn(2, 8, 40))
@@ -265,5 +265,5 @@ def test_unflatten_of_the_cut_heads_takes_each_rank_s_size() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", tpcompile.TPCompileWarning)
         sm = tpcompile.shard(model, 8, example_inputs=(torch.randn(2, 8, 40),))
-    assert sm.plan.parameters["q.weight"].cuts is not None
+    assert sm.plan.parameters["q.weight"].slice().rank_cuts
     _exact(model, sm, torch.randn(2, 11, 40), torch.randn(2, 7, 40))

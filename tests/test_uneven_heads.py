@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tpcompile
-from tpcompile.placement import Shard
+from tpcompile.placement import Shard, pad_cuts
 from tpcompile.report.plan_table import split_text
 from tpcompile.sharding_rules.shape import reshape_placement
 
@@ -127,12 +127,12 @@ def test_kv_heads_that_cannot_line_up_are_replicated_by_choice() -> None:
 
 def test_a_padded_dim_reshapes_by_whole_heads_only() -> None:
     """(B, T, 48 padded to 64) -> (B, T, 6 heads padded to 8, 8) and back; a cut inside a head is refused."""
-    p = Shard(2, padded=64)
+    p = Shard(2, cuts=pad_cuts(64, 4))
     heads, why = reshape_placement(p, (2, 8, 48), (2, 8, 6, 8), 4)
-    assert heads == Shard(2, padded=8) and why == ""
-    back, _ = reshape_placement(Shard(2, padded=8), (2, 8, 6, 8), (2, 8, 48), 4)
-    assert back == Shard(2, padded=64)
-    cut, why = reshape_placement(Shard(2, padded=52), (2, 8, 50), (2, 8, 5, 10), 4)
+    assert heads == Shard(2, cuts=pad_cuts(8, 4)) and why == ""
+    back, _ = reshape_placement(Shard(2, cuts=pad_cuts(8, 4)), (2, 8, 6, 8), (2, 8, 48), 4)
+    assert back == Shard(2, cuts=pad_cuts(64, 4))
+    cut, why = reshape_placement(Shard(2, cuts=pad_cuts(52, 4)), (2, 8, 50), (2, 8, 5, 10), 4)
     assert cut is None and "padded" in why
 
 

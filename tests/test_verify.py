@@ -14,7 +14,7 @@ from tpcompile.passes.decisions import freeze
 from tpcompile.passes.pass_context import PassContext
 from tpcompile.passes.verify_plan import check_tiling, verify_pass
 from tpcompile.passes.verify_ranks import verify_rank
-from tpcompile.placement import ParamSlice
+from tpcompile.placement import ParamSlice, pad_cuts
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def test_malformed_graph_is_caught(gpt_sharded: tuple) -> None:
 
 @pytest.mark.parametrize("shape, sl, why", [
     ((10, 4), ParamSlice(0, segments=(6, 6)), r"split size 10 \(segments \(6, 6\)\) does not match"),
-    ((10, 4), ParamSlice(0, padded=8), r"split size 8 .* does not match its dim 0 of size 10"),
+    ((10, 4), ParamSlice(0, cuts=pad_cuts(8, 2)), r"split size 8 .* does not match its dim 0 of size 10"),
     ((10, 4), ParamSlice(2), r"split on dim 2, which it does not have"),
     ((10, 4), ParamSlice(1, pieces=3), r"cannot be cut into 3 equal pieces for world size 2"),
     ((9, 4), ParamSlice(0), r"dim 0 of size 9 .* cannot be cut into 2 equal pieces"),
@@ -135,7 +135,7 @@ def test_verify_pass_checks_every_split_parameter() -> None:
     """The pass run by shard() rejects a corrupted slice table (it is not only the helper)."""
     ctx = PassContext(2)
     ctx.tensors = {"fc.weight": torch.zeros(8, 4), "fc.bias": torch.zeros(8)}
-    ctx.param_slices = {"fc.weight": ParamSlice(0), "fc.bias": ParamSlice(0, padded=6)}
+    ctx.param_slices = {"fc.weight": ParamSlice(0), "fc.bias": ParamSlice(0, cuts=pad_cuts(6, 2))}
     gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
     with pytest.raises(tpcompile.TPCompileError, match=r"parameter fc\.bias: split size 6"):
         verify_pass(gm, freeze(gm, ctx))

@@ -30,11 +30,16 @@ class Replicate:
 
 
 class Cut:
-    """What `segments` and `cuts` say of a split dim, for a ParamSlice and a Shard alike."""
+    """What `segments` and `cuts` say of a split dim, for a ParamSlice and a Shard alike. Cuts without segments are
+    one segment, the whole dim, cut evenly past its size: a zero-padded split (`padded`)."""
 
     segments: Optional[tuple[int, ...]]
-    padded: Optional[int]
     cuts: Optional[Cuts]
+
+    @property
+    def padded(self) -> Optional[int]:
+        """The size a one-segment split is zero-padded to (its cuts' last bound), else None."""
+        return self.cuts[0][-1] if self.cuts is not None and self.segments is None else None
 
     @property
     def padding(self) -> Optional[Union[int, tuple[int, ...]]]:
@@ -44,14 +49,15 @@ class Cut:
     @property
     def rank_cuts(self) -> bool:
         """True for cuts that give each rank a piece of its own (`group_cuts`: some pieces differ in size, or one
-        segment), as opposed to segments cut evenly (`even_segments`)."""
-        return self.cuts is not None and (len(self.cuts) == 1 or not all(is_even(c) for c in self.cuts))
+        segment), as opposed to segments cut evenly (`even_segments`) and a padded split (`padded`)."""
+        return self.cuts is not None and self.segments is not None \
+            and (len(self.cuts) == 1 or not all(is_even(c) for c in self.cuts))
 
     @property
     def even_segments(self) -> bool:
         """True for segments each cut evenly into its own count of pieces, zero-padded or not (a fused q|k|v
         padded by whole heads, or with kv heads fewer than ranks)."""
-        return self.cuts is not None and not self.rank_cuts
+        return self.cuts is not None and self.segments is not None and not self.rank_cuts
 
     @property
     def seg_padded(self) -> bool:
@@ -87,7 +93,6 @@ class ParamSlice(Cut):
 
     dim: int
     segments: Optional[tuple[int, ...]] = None
-    padded: Optional[int] = None  # one segment cut as if zero-padded to this size
     pieces: Optional[int] = None  # cut into this many pieces, each held by world_size/pieces ranks
     cuts: Optional[Cuts] = None  # per segment, the bounds of its pieces (Shard.cuts)
 
@@ -99,12 +104,12 @@ class Shard(Cut):
     dim: int
     segments: Optional[tuple[int, ...]] = None
     seq: bool = False  # sequence parallel: tokens split outside the tensor-parallel regions
-    padded: Optional[int] = None  # one segment, its size rounded up to a multiple of the world size (zeros past the end)
     outer: Optional[object] = None  # the dim is `outer` repetitions of the split blocks (batch x heads)
     pieces: Optional[int] = None  # one segment of only this many distinct pieces; ranks r*pieces//ws share a piece
     split_next: Optional[int] = None  # with pieces: dim+1 is split this many ways within a piece
-    # with segments: per segment, the bounds of its pieces in the segment zero-padded to cuts[-1]; a segment of g
-    # pieces (g + 1 bounds) has piece k held by the ranks k * ws / g ... (k + 1) * ws / g - 1 (layouts.DimLayout).
+    # per segment, the bounds of its pieces in the segment zero-padded to cuts[-1]; a segment of g pieces (g + 1
+    # bounds) has piece k held by the ranks k * ws / g ... (k + 1) * ws / g - 1 (layouts.DimLayout). Without
+    # segments, one cut of the whole dim past its size: a split zero-padded to a multiple of the ranks (`padded`).
     # Even bounds: a fused q|k|v padded by whole heads, or with kv heads fewer than ranks; uneven ones (one piece a
     # rank): a kv group's query heads split within the ranks sharing its kv head (`group_cuts`). None: every
     # segment split evenly, unpadded.
@@ -117,7 +122,7 @@ class Shard(Cut):
             return f"S({self.dim}|{segs}){'seq' if self.seq else ''}"
         seg = "" if self.segments is None else f"|{'+'.join(map(str, self.segments))}"
         pads = None if self.padded is None else (self.padded,)
-        if self.cuts is not None:
+        if self.even_segments:
             counts = [len(c) - 1 for c in self.cuts]
             if self.seg_padded:
                 pads = tuple(c[-1] for c in self.cuts)
@@ -137,8 +142,7 @@ class Shard(Cut):
     @property
     def plain_padded(self) -> bool:
         """True when the dimension is one segment zero-padded to a multiple of the world size and split evenly."""
-        return (self.padded is not None and (self.segments is None or len(self.segments) == 1)
-                and self.outer is None and self.pieces is None and not self.seq and self.cuts is None)
+        return self.padded is not None and self.outer is None and self.pieces is None and not self.seq
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,11 @@ def shard(dim: int, segments: Optional[Sequence[int]] = None) -> Shard:
     return Shard(dim, segs)
 
 
+def pad_cuts(padded: int, world_size: int) -> Cuts:
+    """The cuts of a one-segment split zero-padded to `padded` (a multiple of the world size): even, one a rank."""
+    return (even_cuts(int(padded), world_size),)
+
+
 def seg_cuts(segments: Sequence[int], world_size: int, pads: Optional[Sequence[int]] = None,
              counts: Optional[Sequence[int]] = None) -> Optional[Cuts]:
     """Each segment cut evenly: zero-padded to its pad, into its count of pieces (the world size by default);
@@ -184,7 +193,7 @@ def segmented(dim: int, segments: Sequence[int], world_size: int, pads: Optional
     pads = list(pads or segs)
     counts = list(counts or [world_size] * len(segs))
     if len(segs) == 1 and pads[0] != segs[0]:
-        return Shard(dim, padded=int(pads[0]))
+        return Shard(dim, cuts=pad_cuts(pads[0], world_size))
     if len(segs) == 1 and counts[0] < world_size:
         return Shard(dim, pieces=int(counts[0]))
     if len(segs) == 1:
@@ -267,8 +276,7 @@ def slice_placement(sl: ParamSlice) -> Shard:
     """The placement of a parameter cut by `sl`, as its readers see it."""
     if sl.cuts is not None:
         return Shard(sl.dim, sl.segments, cuts=sl.cuts)
-    return Shard(sl.dim, sl.segments if sl.segments and len(sl.segments) > 1 else None, padded=sl.padded,
-                 pieces=sl.pieces)
+    return Shard(sl.dim, sl.segments if sl.segments and len(sl.segments) > 1 else None, pieces=sl.pieces)
 
 
 def local_shape(shape: Sequence[Any], p: Any, rank: int, world_size: int) -> tuple:
@@ -277,15 +285,13 @@ def local_shape(shape: Sequence[Any], p: Any, rank: int, world_size: int) -> tup
     if not isinstance(p, Shard) or p.dim >= len(out):
         return tuple(out)
     size = out[p.dim]
-    if p.cuts is not None:
-        out[p.dim] = dim_layout(p, None, world_size).local_size(rank)
+    if p.cuts is not None:  # `outer` repetitions of padded heads (batch x heads), or the cut dim once
+        out[p.dim] = (1 if p.outer is None else p.outer) * dim_layout(p, None, world_size).local_size(rank)
     elif p.pieces:
         out[p.dim] = size // p.pieces
         if p.split_next and p.dim + 1 < len(out):  # a group the sharing ranks do not divide: padded, its ceil
             nxt = out[p.dim + 1]
             out[p.dim + 1] = -(-nxt // p.split_next) if isinstance(nxt, int) else nxt // p.split_next
-    elif p.padded:  # `outer` repetitions of padded heads (batch x heads), or the padded dim once
-        out[p.dim] = (1 if p.outer is None else p.outer) * dim_layout(p, None, world_size).local_size(rank)
     elif p.segments and isinstance(size, int):
         out[p.dim] = dim_layout(p, size, world_size).local_size(rank)
     else:

@@ -87,7 +87,7 @@ def _rank_diff(ref: torch.Tensor, got: Optional[torch.Tensor], placement: Option
             or tuple(got.shape) != local_shape(ref.shape, placement, rank, world_size)):
         return math.inf, False
     d, worst = placement.dim, 0.0
-    sl = ParamSlice(d, placement.segments, placement.padded, placement.pieces, cuts=placement.cuts)
+    sl = ParamSlice(d, placement.segments, placement.pieces, cuts=placement.cuts)
     for start, local, n in rank_pieces(sl, ref.shape[d], rank, world_size):
         piece = (ref.narrow(d, start, n) - got.narrow(d, local, n)).abs()
         worst = max(worst, float(piece.max()) if piece.numel() else 0.0)

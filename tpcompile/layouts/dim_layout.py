@@ -3,7 +3,7 @@
 A fused q|k|v projection is three segments; a zero-padded vocabulary one segment whose cuts run past its
 size (the zeros); kv heads fewer than ranks a segment of fewer pieces than ranks, piece k held by the ranks
 k * (world_size / pieces) ... (k + 1) * (world_size / pieces) - 1. The placement fields (`segments` and
-their `cuts`, a one-segment `padded` or `pieces`) are read in one place, `dim_layout`; the arithmetic on what a rank
+their `cuts`, or `pieces`) are read in one place, `dim_layout`; the arithmetic on what a rank
 holds (`DimLayout.runs`, `DimLayout.local_size`) is done once, here, on this value.
 """
 from __future__ import annotations
@@ -77,16 +77,14 @@ def is_even(cuts: Sequence[int]) -> bool:
 
 def dim_layout(p: Any, full: Optional[int], world_size: int) -> DimLayout:
     """The layout of a split dim of size `full` (None: not known, a padded split's padding gives the sizes) that a
-    ParamSlice or Shard `p` describes (its `segments` and their `cuts`, or a one-segment `padded` or `pieces`)."""
-    if p.cuts is not None:  # explicit: segment k cut at p.cuts[k]
+    ParamSlice or Shard `p` describes (its `segments` and their `cuts`, the cuts of a padded dim, or `pieces`)."""
+    if p.cuts is not None:  # explicit: segment k cut at p.cuts[k]; without segments, the dim cut past its size
         assert all(world_size % (len(c) - 1) == 0 for c in p.cuts), \
             f"pieces {[len(c) - 1 for c in p.cuts]} do not divide the world size {world_size}"
-        return DimLayout(world_size, tuple(Segment(s, tuple(c)) for s, c in zip(p.segments, p.cuts)))
+        segs = p.segments or (p.cuts[0][-1] if full is None else full,)
+        return DimLayout(world_size, tuple(Segment(s, tuple(c)) for s, c in zip(segs, p.cuts)))
     if p.pieces:  # one segment of `pieces` pieces, each shared by world_size / pieces ranks
         return DimLayout(world_size, (Segment(full, even_cuts(full, p.pieces)),))
-    if p.padded:  # one segment zero-padded to a multiple of the world size
-        assert not p.segments or len(p.segments) == 1, f"a padded dim of segments {p.segments}"
-        return DimLayout(world_size, (Segment(p.padded if full is None else full, even_cuts(p.padded, world_size)),))
     segs = list(p.segments) if p.segments else [full]
     assert full is None or sum(segs) == full, f"segments {segs} do not add up to {full}"
     return DimLayout(world_size, tuple(Segment(s, even_cuts(s, world_size)) for s in segs))

@@ -21,7 +21,7 @@ import torch
 from torch.fx import Node
 
 from tpcompile.passes.pass_context import describe
-from tpcompile.placement import REPLICATE, ParamSlice, Shard
+from tpcompile.placement import REPLICATE, ParamSlice, Shard, pad_cuts
 from tpcompile.sharding_rules.rule_context import Choice, param_behind, readers
 
 
@@ -41,7 +41,7 @@ def wished_cut(node: Any, want: Any, param: Callable[[Any], Optional[torch.Tenso
     if t is None:
         return None
     if want.padded is not None:  # zero-padded like the value it meets (a norm weight over padded heads)
-        return None if want.padded % world_size else (str(attr.target), ParamSlice(d, padded=want.padded))
+        return None if want.padded % world_size else (str(attr.target), ParamSlice(d, cuts=want.cuts))
     if t.shape[d] % world_size:
         return None
     return str(attr.target), ParamSlice(d)
@@ -86,7 +86,7 @@ def cut_unread(gm: Any, ctx: Any) -> list[str]:
         if any(a in read for a in ctx.aliases(name)) or ctx.slice_for(name) is not None:
             continue
         rows = int(t.shape[0])
-        ctx.param_slices[name] = ParamSlice(0, padded=None if rows % ws == 0 else -(-rows // ws) * ws)
+        ctx.param_slices[name] = ParamSlice(0, cuts=None if rows % ws == 0 else pad_cuts(-(-rows // ws) * ws, ws))
         cut.append(name)
     return cut
 

@@ -34,13 +34,12 @@ class ParamPlan:
     padded: Optional[Union[int, tuple[int, ...]]] = None  # split as if zero-padded to this size (per segment: sizes)
     pieces: Optional[int] = None  # split into this many pieces, each shared by world_size/pieces ranks
     seg_pieces: Optional[tuple[int, ...]] = None  # per segment, its number of pieces (kv heads fewer than ranks)
-    cuts: Optional[Cuts] = None  # per segment, the bounds of its pieces (placement.Shard.cuts)
+    cuts: Optional[Cuts] = None  # per segment, the bounds of its pieces; a padded split's one cut (Shard.cuts)
     world_size: int = 1
 
     def slice(self) -> Optional[ParamSlice]:
         """How the parameter is cut (tpcompile.placement.rank_pieces; None: whole)."""
-        padded = self.padded if isinstance(self.padded, int) else None
-        return None if self.dim is None else ParamSlice(self.dim, self.segments, padded, self.pieces, self.cuts)
+        return None if self.dim is None else ParamSlice(self.dim, self.segments, self.pieces, self.cuts)
 
 
 def param_plan(name: str, role: str, sl: Optional[ParamSlice], shape: tuple, local: tuple, tied: tuple,

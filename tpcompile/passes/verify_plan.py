@@ -65,7 +65,7 @@ def check_tiling(name: str, shape: tuple, sl: Any, world_size: int) -> None:
         raise TPCompileError(f"parameter {name} of shape {list(shape)} is split on dim {sl.dim}, which it "
                              f"does not have; {way_out}")
     size = shape[sl.dim]
-    if sl.cuts is not None:  # each segment cut at its own bounds
+    if sl.cuts is not None and sl.segments is not None:  # each segment cut at its own bounds
         return _check_cuts(name, size, sl, world_size, way_out)
     full = sl.padded or size
     if full < size or (sl.segments and sum(sl.segments) != full):

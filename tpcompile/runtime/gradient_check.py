@@ -159,7 +159,7 @@ def _local_weight(w: torch.Tensor, p: Any, shape: tuple[int, ...], path: str, ra
         raise TPCompileError(f"output {path} of rank {rank} has shape {tuple(shape)}, neither the original's "
                              f"{tuple(w.shape)} nor a slice check_gradients can map onto it ({p}); pass loss_fn=... "
                              f"or shard without sharded_output on the module that makes it")
-    sl = ParamSlice(p.dim, p.segments, p.padded, p.pieces, p.cuts)
+    sl = ParamSlice(p.dim, p.segments, p.pieces, p.cuts)
     held = torch.zeros(w.shape[p.dim], dtype=w.dtype, device=w.device)
     for r in range(ws):  # how many ranks hold each position along the split dim
         for start, _, n in rank_pieces(sl, w.shape[p.dim], r, ws):

@@ -28,7 +28,7 @@ from typing import Any, Optional
 from torch.fx import Node
 
 from tpcompile.layouts import dim_layout
-from tpcompile.placement import PARTIAL, REPLICATE, ParamSlice, Replicate, Shard, moved
+from tpcompile.placement import PARTIAL, REPLICATE, ParamSlice, Replicate, Shard, moved, pad_cuts
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, param_behind
 from tpcompile.sharding_rules.table import RuleSpec
@@ -78,11 +78,12 @@ def weight_conv(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
                                "the layers read whole)")
         ws = ctx.world_size  # channels the world size does not divide: zero-padded, as a linear's features
         pad = None if channels % ws == 0 else -(-channels // ws) * ws
-        params = {n: ParamSlice(out_dim if n is w else 0, padded=pad) for n in params}
-        out = Shard(1, padded=pad)
+        cuts = None if pad is None else pad_cuts(pad, ws)
+        params = {n: ParamSlice(out_dim if n is w else 0, cuts=cuts) for n in params}
+        out = Shard(1, cuts=cuts)
         return Result(out, [ctx.replicated_want(x, out)], role="column", params=params)
     if _channel_split(px) or _padded_channels(px, ctx.shape(w)[in_dim]):
-        params[w] = ParamSlice(in_dim, padded=px.padded)
+        params[w] = ParamSlice(in_dim, cuts=px.cuts)
         out = PARTIAL if not isinstance(b, Node) and not ctx.sequence_parallel else REPLICATE
         bias = [ctx.replicated_want(b, out)] if isinstance(b, Node) else []
         return Result(out, [Want(x, px)] + bias, role="row", params=params)
@@ -117,7 +118,7 @@ def _grouped(node: Node, spec: RuleSpec, ctx: RuleContext, tensors: list) -> Res
         return _own_groups(node, spec, ctx, src, Shard(1), "column")
     channels = ctx.shape(x)[1] if ctx.shape(x) is not None and len(ctx.shape(x)) > 1 else None
     if _padded_channels(px, channels) and groups == channels:  # depthwise on zero-padded channels (Mamba's)
-        return _own_groups(node, spec, ctx, src, px, "channels", Shard(1, padded=px.padded))
+        return _own_groups(node, spec, ctx, src, px, "channels", Shard(1, cuts=px.cuts))
     if groups == channels and (_segmented_channels(px) or _pieced_channels(px)):
         # depthwise over channels joined from several splits, or in pieces each shared by several ranks (kv heads
         # fewer than the ranks): the kernel cut alike, its gradient summed over the ranks sharing a piece
@@ -141,7 +142,7 @@ def _own_groups(node: Node, spec: RuleSpec, ctx: RuleContext, src: Node, px: Sha
     output's, the group count local (over a zero-padded split or one in segments or pieces, the local channels
     over `group` channels a group: one group per local channel for a depthwise convolution, padding included)."""
     x, w, b = (_arg(node, spec.get(k)) for k in ("input", "weight", "bias"))
-    sl = ParamSlice(0, channels.segments, channels.padded, channels.pieces, channels.cuts)
+    sl = ParamSlice(0, channels.segments, channels.pieces, channels.cuts)
     params: dict[Node, Optional[ParamSlice]] = {src: sl}
     if isinstance(b, Node) and ctx.param(b) is not None:
         params[b] = sl

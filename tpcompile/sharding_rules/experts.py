@@ -158,7 +158,7 @@ def weight_contract(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         segments = _segments(letter, tw, tout, view, spec)
         # zero-padded to a multiple of the ranks, each segment its own
         out = segmented(odim, segments, ctx.world_size, [padded_size(s, ctx.world_size) for s in segments])
-        params[view.param] = ParamSlice(pdim, out.segments, out.padded, cuts=out.cuts)
+        params[view.param] = ParamSlice(pdim, out.segments, cuts=out.cuts)
         return Result(out, [ctx.replicated_want(act, out)] + [ctx.replicated_want(o, out) for o in others],
                       role="column", params=params)
     letter = ta[px.dim] if isinstance(px, Shard) and px.dim < len(ta) else None
@@ -166,5 +166,5 @@ def weight_contract(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if letter is None or letter in tout or pdim is None or px.pieces is not None or px.outer is not None:
         return Result(REPLICATE, whole, params=params,
                       conflict=f"input split as {px}, not along the features the weight contracts ({eq})")
-    params[view.param] = ParamSlice(pdim, px.segments, px.padded, cuts=px.cuts)  # padded rows meet the input's zeros
+    params[view.param] = ParamSlice(pdim, px.segments, cuts=px.cuts)  # padded rows meet the input's zeros
     return Result(PARTIAL, [Want(act, px)] + [Want(o, REPLICATE) for o in others], role="row", params=params)

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Replicate, Shard, moved, seg_cuts, split_dims
+from tpcompile.placement import REPLICATE, Replicate, Shard, moved, pad_cuts, seg_cuts, split_dims
 from tpcompile.sharding_rules.dtensor_fallback import dtensor_result
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim
@@ -42,7 +42,7 @@ def repeat_interleave(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return Result(p, [Want(x, p)])
     if p.pieces is None:
         if p.plain_padded:  # each rank repeats its padded entries: the padding, repeated, stays at the end
-            return Result(replace(p, padded=p.padded * repeats), [Want(x, p)])
+            return Result(replace(p, cuts=pad_cuts(p.padded * repeats, ctx.world_size)), [Want(x, p)])
         if p.padding is not None or p.outer is not None or p.rank_cuts:
             return _fail(x, f"repeats along a dim split as {p}")
         segments = None if p.segments is None else tuple(s * repeats for s in p.segments)

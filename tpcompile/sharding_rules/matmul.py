@@ -7,7 +7,8 @@ from typing import Any, Optional
 from torch.fx import Node
 
 from tpcompile.layouts import even_cuts
-from tpcompile.placement import PARTIAL, REPLICATE, Replicate, Shard, group_cuts, moved, padded_size, segmented
+from tpcompile.placement import (PARTIAL, REPLICATE, Replicate, Shard, group_cuts, moved, pad_cuts, padded_size,
+                                 segmented)
 from tpcompile.sharding_rules.pieces import piece_matmul
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Choice, ParamSlice, Result, RuleContext, Want, weight_view
@@ -64,9 +65,9 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         if pieces:  # fewer pieces than ranks: each held by several ranks (MQA's one kv head: by all)
             segments, pads, counts = (wshape[out_dim],), None, [ctx.world_size]
         out = replace(segmented(len(ctx.shape(node)) - 1, segments, ctx.world_size, pads, counts), pieces=pieces)
-        params[w] = ParamSlice(out_dim, out.segments, out.padded, pieces, out.cuts)
+        params[w] = ParamSlice(out_dim, out.segments, pieces, out.cuts)
         if isinstance(b, Node):
-            params[b] = ParamSlice(0, out.segments, out.padded, pieces, out.cuts)
+            params[b] = ParamSlice(0, out.segments, pieces, out.cuts)
         return Result(out, [ctx.replicated_want(x, out)], role="column", params=params)
     if isinstance(px, Shard) and px.pieces is not None:
         # pieces shared by several ranks would be summed once per sharing rank (2 query heads at 4 ranks)
@@ -74,7 +75,7 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
                       conflict=f"input holds {px.pieces} pieces shared among {ctx.world_size} ranks; a row "
                                f"split would count each piece {ctx.world_size // px.pieces} times")
     if isinstance(px, Shard) and px.dim == len(xshape) - 1 and px.outer is None:
-        params[w] = ParamSlice(in_dim, px.segments, px.padded, cuts=px.cuts)
+        params[w] = ParamSlice(in_dim, px.segments, cuts=px.cuts)
         # without a bias the sum stays pending until an op needs it whole (experts summed, then reduced once)
         out = PARTIAL if not isinstance(b, Node) and not ctx.sequence_parallel else ctx.reduced(node)
         # the bias is added once, after the reduce; on token-split output its gradient is partial
@@ -111,7 +112,7 @@ def _group_cut(node: Node, spec: RuleSpec, ctx: RuleContext, x: Node, w: Node, b
 def _batch_split(px: Any, xshape: Any, bias: Any) -> bool:
     """An input split (plainly, or zero-padded when no bias makes the padding non-zero) on a leading dim of x @ W."""
     return isinstance(px, Shard) and xshape is not None and px.dim < len(xshape) - 1 and not px.seq \
-        and px.segments is None and px.pieces is None and px.outer is None and px.cuts is None \
+        and px.segments is None and px.pieces is None and px.outer is None \
         and (px.padded is None or not isinstance(bias, Node))
 
 
@@ -206,7 +207,7 @@ def embedding(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if ctx.param(w) is None or ctx.demoted(node) or not (ctx.is_user_input(idx) or not ctx.sequence_parallel):
         return Result(REPLICATE, [Want(idx, REPLICATE)], role="replicated", params=params)
     padded = padded_size(wshape[0], ctx.world_size) if wshape[0] % ctx.world_size else None
-    params[w] = ParamSlice(0, None, padded)
+    params[w] = ParamSlice(0, cuts=None if padded is None else pad_cuts(padded, ctx.world_size))
     out = ctx.reduced(node) if ctx.sequence_parallel else PARTIAL
     return Result(out, [Want(idx, REPLICATE)], role="vocab", params=params)
 

@@ -1,8 +1,9 @@
 """Zero-padded splits through reshapes: a projection padded by whole heads, viewed as (heads, head_dim) and back.
 
 A column split whose output size the world size does not divide is zero-padded to a multiple of it
-(`Shard(dim, padded=N)`); when a reshape splits that output into heads, the padding goes by whole heads
-(sharding_rules/matmul.py), so the heads dim carries the padding and each rank holds whole heads.
+(`Shard(dim, cuts=pad_cuts(N, ws))`, whose `padded` is N); when a reshape splits that output into heads, the
+padding goes by whole heads (sharding_rules/matmul.py), so the heads dim carries the padding and each rank holds
+whole heads.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from torch.fx import Node
 
 from tpcompile.layouts import dim_layout
-from tpcompile.placement import REPLICATE, Shard, cut_shard, seg_cuts
+from tpcompile.placement import REPLICATE, Shard, cut_shard, pad_cuts, seg_cuts
 from tpcompile.sharding_rules.grouped import on_one
 from tpcompile.sharding_rules.rule_context import Result, Size, Want, exact_size, prod, sizes_equal
 
@@ -29,7 +30,7 @@ def padded_reshape(p: Shard, gi: Sequence[int], gj: Sequence[int], ins: Sequence
     why = f"reshape of a dim padded from {ins[p.dim]} to {p.padding} cuts through the padding"
     if p.seg_padded and not (p.outer or p.pieces or p.split_next or p.seq) and gi[0] == p.dim:
         return _segments_reshape(p, gi, gj, ins, outs, ws, why)
-    if p.segments or p.pieces or p.cuts or p.split_next or p.seq:
+    if p.segments or p.pieces or p.split_next or p.seq:
         return None, why
     if p.outer is not None or gi[0] != p.dim:
         return _folded_reshape(p, gi, gj, ins, outs, why)
@@ -43,7 +44,7 @@ def padded_reshape(p: Shard, gi: Sequence[int], gj: Sequence[int], ins: Sequence
         q = prod([outs[e] for e in gj[u + 1:]])
         if not isinstance(q, int) or (real * inner) % q or (full * inner) % (ws * q):
             return None, why
-        return replace(p, dim=d, padded=full * inner // q), ""
+        return replace(p, dim=d, cuts=pad_cuts(full * inner // q, ws)), ""
     return None, why
 
 
@@ -63,7 +64,7 @@ def _folded_reshape(p: Shard, gi: Sequence[int], gj: Sequence[int], ins: Sequenc
             continue
         m = exact_size(sympy.sympify(outs[d]) / sympy.sympify(real))  # repetitions folded into this dim
         if m is not None and sizes_equal(prod([outs[e] for e in gj[:u]]) * m, count):
-            return Shard(d, padded=p.padded, outer=None if m == 1 else m), ""
+            return Shard(d, outer=None if m == 1 else m, cuts=p.cuts), ""
     return None, why
 
 

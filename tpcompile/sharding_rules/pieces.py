@@ -64,7 +64,7 @@ def piece_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     xshape = ctx.shape(x)
     if isinstance(px, Shard) and px.dim == len(xshape) - 1 and px.outer is None and px.pieces is None \
             and not px.shared(ctx.world_size):
-        params[wnode] = ParamSlice(1, px.segments, px.padded, cuts=px.cuts)
+        params[wnode] = ParamSlice(1, px.segments, cuts=px.cuts)
         out = PARTIAL if bnode is None and not ctx.sequence_parallel else ctx.reduced(node)
         bias = [ctx.replicated_want(b, out)] if isinstance(b, Node) else []
         return Result(out, [Want(x, px)] + bias, role="row", params=params)

@@ -206,7 +206,7 @@ def norm(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if k != 1 or not (p.plain or padded) or not isinstance(ctx.shape(x)[-1], int):
         return Result(REPLICATE, [Want(n, REPLICATE) for n in [x] + extra],
                       conflict=f"normalises over the sharded dim {p.dim} (split as {p}, over {k} dims)")
-    cut = Shard(0, padded=p.padded) if padded else Shard(0)
+    cut = Shard(0, cuts=p.cuts) if padded else Shard(0)
     wants = [Want(x, p)] + [Want(n, cut) for n in extra]  # this rank's slice of the weight and bias
     return choose(node, x, ctx, 1 if rms else 2, "RMSNorm" if rms else "LayerNorm", Result(p, wants))
 
