@@ -275,11 +275,20 @@ def balanced_bytes(model: torch.nn.Module, sm: Any) -> int:
         attn = any(w in n.lower() for w in ("attn", "attention"))
         head_dim = head_dim_of(n)
         rest = math.prod(shape) // shape[pp.dim]
-        # a kv group's query heads cut among the ranks sharing its kv head (`cuts`): the groups are one projection
-        for seg in (shape[pp.dim],) if pp.cuts else pp.segments or (shape[pp.dim],):
+        for seg in _projections(pp, ws) or (shape[pp.dim],):
             unit = head_dim if attn and head_dim and seg % head_dim == 0 else 1
             total += -(-seg // unit // ws) * unit * rest * item
     return total
+
+
+def _projections(pp: Any, ws: int) -> tuple[int, ...]:
+    """The segments of a plan's split, a kv group's query heads cut among the ranks sharing its kv head (one piece a
+    rank, `rank_cuts`) merged into one projection (the q of a fused q|k|v; k and v, in kv pieces, stay apart)."""
+    sl = pp.slice()
+    if sl is None or not sl.rank_cuts:
+        return tuple(pp.segments or ())
+    groups = sum(s for s, c in zip(sl.segments, sl.cuts) if len(c) == ws + 1)
+    return (groups, *(s for s, c in zip(sl.segments, sl.cuts) if len(c) != ws + 1))
 
 
 def held_share(model: torch.nn.Module, sm: Any) -> float:

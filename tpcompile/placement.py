@@ -136,8 +136,8 @@ class Shard(Cut):
     @property
     def plain(self) -> bool:
         """True when the dimension is one segment split evenly, without padding."""
-        return ((self.segments is None or len(self.segments) == 1) and self.padded is None
-                and self.outer is None and self.pieces is None and self.cuts is None)
+        return ((self.segments is None or len(self.segments) == 1) and self.cuts is None
+                and self.outer is None and self.pieces is None)
 
     @property
     def plain_padded(self) -> bool:
