@@ -119,6 +119,7 @@ def test_malformed_graph_is_caught(gpt_sharded: tuple) -> None:
 @pytest.mark.parametrize("shape, sl, why", [
     ((10, 4), ParamSlice(0, segments=(6, 6)), r"split size 10 \(segments \(6, 6\)\) does not match"),
     ((10, 4), ParamSlice(0, cuts=pad_cuts(8, 2)), r"split size 8 .* does not match its dim 0 of size 10"),
+    ((10, 4), ParamSlice(0, cuts=((0, 4, 12),)), r"cuts \(\(0, 4, 12\),\) of its whole dim 0 are not one even piece"),
     ((10, 4), ParamSlice(2), r"split on dim 2, which it does not have"),
     ((10, 4), ParamSlice(1, pieces=3), r"cannot be cut into 3 equal pieces for world size 2"),
     ((9, 4), ParamSlice(0), r"dim 0 of size 9 .* cannot be cut into 2 equal pieces"),

@@ -67,6 +67,10 @@ def check_tiling(name: str, shape: tuple, sl: Any, world_size: int) -> None:
     size = shape[sl.dim]
     if sl.cuts is not None and sl.segments is not None:  # each segment cut at its own bounds
         return _check_cuts(name, size, sl, world_size, way_out)
+    if sl.cuts is not None and (len(sl.cuts) != 1 or sl.cuts[0][-1] % world_size or tuple(sl.cuts[0]) != tuple(
+            i * (sl.cuts[0][-1] // world_size) for i in range(world_size + 1))):  # a padded split: one even cut a rank
+        raise TPCompileError(f"parameter {name}: cuts {sl.cuts} of its whole dim {sl.dim} are not one even piece a "
+                             f"rank at world size {world_size}; {way_out}")
     full = sl.padded or size
     if full < size or (sl.segments and sum(sl.segments) != full):
         raise TPCompileError(f"parameter {name}: split size {full} (segments {sl.segments}) does not match its "
