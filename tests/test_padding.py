@@ -113,3 +113,53 @@ def test_padding_that_is_not_zero_gives_a_row_split_no_gradient(bias: bool) -> N
     assert results[3][0][:, 11:].abs().max() == 0  # rank 3 holds features 39..49 and 2 padded ones
     for _, out in results:
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+class SummedMLP(torch.nn.Module):
+    """An MLP whose padded hidden features are also summed (a statistic over the padded dim, reduced from the
+    ranks' local sums): the sum's gradient at the padding is 1, not 0."""
+
+    def __init__(self, combine: str) -> None:
+        super().__init__()
+        self.combine = combine
+        self.up, self.down = torch.nn.Linear(8, 50, bias=False), torch.nn.Linear(50, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        stat = h.sum(-1, keepdim=True) if self.combine == "sum" else h.mean(-1, keepdim=True)
+        return self.down(torch.relu(h)) + stat
+
+
+@pytest.mark.parametrize("combine", ["sum", "mean"])
+def test_a_sum_over_padding_gives_it_no_gradient(combine: str) -> None:
+    """The padded features are zeros, so the ranks' local sums add up to the real sum; the sum passes no gradient
+    back to the padding either, so the padded rows of the weight that made it stay zero and three SGD steps on
+    every rank give the unsharded model's losses (they drifted from the second step)."""
+    torch.manual_seed(0)
+    model = SummedMLP(combine)
+    sm = tpcompile.shard(copy.deepcopy(model), 4, example_inputs=(torch.randn(2, 8),))
+    assert sm.plan.parameters["up.weight"].padded == 52 and not sm.plan.replicated
+    ranks = [sm.rank(r) for r in range(4)]
+    xs = [torch.randn(3, 8) for _ in range(3)]
+
+    def train(r: int) -> list:
+        opt, losses = torch.optim.SGD(ranks[r].parameters(), lr=0.1), []
+        for x in xs:
+            opt.zero_grad()
+            loss = ranks[r](x).square().mean()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        return losses
+
+    results = tpcompile.simulate_ranks(4, train)
+    opt, want = torch.optim.SGD(model.parameters(), lr=0.1), []
+    for x in xs:
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        want.append(float(loss.detach()))
+    assert ranks[3].get_parameter("up.weight")[11:].abs().max() == 0  # rank 3: features 39..49, 2 padded rows
+    for losses in results:
+        assert losses == pytest.approx(want, rel=1e-5)

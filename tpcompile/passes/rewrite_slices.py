@@ -124,17 +124,19 @@ def reduce_partial(em: Any, node: Node, y: Node) -> Node:
     return em.call(tp.all_reduce.default, y, em.plan.group)
 
 
-def zero_padding(em: Any, src: Node, x: Node) -> Node:
+def zero_padding(em: Any, src: Node, x: Node, *, proven: bool = True) -> Node:
     """x, this rank's value of `src` split with zero padding, with whatever its padding holds made zeros (nothing to
-    do when the rank's block has none, or the padding is known to hold zeros: padded.zero_padded). A row split's
-    input: the padding meets the padded columns of its weight, whose gradient would be the padding's values
-    (sigmoid(0) = 0.5 after a padded MLP width) and train them away from zero."""
+    do when the rank's block has none, or, unless `proven=False`, the padding is known to hold zeros:
+    padded.zero_padded). A row split's input: the padding meets the padded columns of its weight, whose gradient
+    would be the padding's values (sigmoid(0) = 0.5 after a padded MLP width) and train them away from zero. A
+    sum over the padded dim (`proven=False`): its gradient at the padding, 1, would train the padded rows of the
+    weight that made it away from zero; the zeroed blocks pass none back."""
     p, val = em.plan.placement(src), src.meta.get("val")
     if not isinstance(p, Shard) or p.padding is None and not p.rank_cuts or p.outer is not None \
             or not isinstance(val, torch.Tensor):
         return x
     runs = dim_layout(p, int(to_size(val.shape[p.dim])), em.ws).runs(em.rank)
-    if all(n == block for _, _, n, block in runs) or zero_padded(src, em.plan.placement, rule=em.plan.rule):
+    if all(n == block for _, _, n, block in runs) or proven and zero_padded(src, em.plan.placement, rule=em.plan.rule):
         return x
     return _blocks(em, x, p.dim, val.dim(), [(at, n, block) for _, at, n, block in runs])
 

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 from torch.fx import Node
 
+from tpcompile.passes.rewrite_slices import zero_padding
 from tpcompile.placement import local_shape, shape_key
 from tpcompile.sharding_rules.reductions import keepdim
 
@@ -73,6 +74,11 @@ def _reduce(o: _Ops, node: Node, lookup: Lookup) -> Node:
     combine = spec.get("combine")
     if combine in ("var", "std"):
         return _variance(o, node, lookup, combine)
+    if combine in ("sum", "mean") and o.p.padding is not None:  # zeros that pass no gradient to the padding
+        zeroed, inner = zero_padding(o.em, o.x, lookup(o.x), proven=False), lookup
+
+        def lookup(n: Node) -> Node:
+            return zeroed if n is o.x else inner(n)
     local = o.em.copy(node, lookup)  # the op itself on this rank's slice
     local.meta.pop("val", None)
     if combine in ("sum", "mean"):
