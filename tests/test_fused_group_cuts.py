@@ -12,6 +12,7 @@ from torch import nn
 import tpcompile
 from tpcompile.report.plan_table import split_text
 
+from sgd_steps import sgd_losses
 from test_uneven_heads import _exact, _net, _shard
 
 HEAD = 4
@@ -91,27 +92,9 @@ def test_training_steps_equal_one_process() -> None:
     ranks = [sm.rank(r) for r in range(8)]
     xs = [torch.randn(2, 9, 40) for _ in range(3)]
 
-    def train(r: int) -> list:
-        opt = torch.optim.SGD(ranks[r].parameters(), lr=0.1)
-        outs = []
-        for x in xs:
-            opt.zero_grad()
-            loss = ranks[r](x).square().mean()
-            loss.backward()
-            opt.step()
-            outs.append(float(loss.detach()))
-        return outs
-
-    losses = tpcompile.simulate_ranks(8, train)
+    losses = tpcompile.simulate_ranks(8, lambda r: sgd_losses(ranks[r], xs, 0.1))
     ref_model = model.train()
-    opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
-    ref = []
-    for x in xs:
-        opt.zero_grad()
-        loss = ref_model(x).square().mean()
-        loss.backward()
-        opt.step()
-        ref.append(float(loss.detach()))
+    ref = sgd_losses(ref_model, xs, 0.1)
     for r in range(8):
         assert losses[r] == pytest.approx(ref, rel=1e-5), (r, losses[r], ref)
     merged = sm.merge_state_dicts([g.state_dict() for g in ranks])
@@ -158,19 +141,3 @@ def test_phi3_generation_splits_the_cache_by_kv_heads() -> None:
     for out in run_ranks(gen, input_ids=ids, attention_mask=mask, max_new_tokens=12):
         assert torch.equal(out, want)
     assert max(gen.cache_bytes(r) for r in range(8)) == gen.unsharded_cache_bytes // 4
-
-
-@pytest.mark.gloo
-def test_phi3_training_under_torchrun_equals_one_process() -> None:
-    """examples/train_hybrid.py at tp 4 under torchrun (4 gloo processes) on a Phi-3 with 6 heads on 2 kv heads, its
-    one qkv_proj cut by groups (3 heads cut 2 | 1 between the 2 ranks sharing each kv head): the single process's
-    losses, step after step."""
-    from hybrid_matrix import TOLERANCE, layout_args, run_example, worst_relative
-
-    args = ["--model", "hf:phi3", "--config", "num_attention_heads=6", "--config", "num_key_value_heads=2",
-            "--config", "hidden_size=24", "--config", "intermediate_size=40", "--layers", "2",
-            "--inputs", "4x16:long", "--steps", "3", "--json"]
-    out = run_example([*layout_args(1, 4, 1), *args], nproc=4)
-    ref = run_example(["--dp", "1", "--tp", "1", "--pp", "1", *args])
-    assert worst_relative(out["losses"], ref["losses"]) < TOLERANCE, (out["losses"], ref["losses"])
-    assert max(out["param_bytes_per_rank"]) < 0.4 * out["model_param_bytes"]

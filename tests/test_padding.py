@@ -11,6 +11,8 @@ from tpcompile.models import GPT, GPTConfig
 from tpcompile.passes.rank_module import local_tensor
 from tpcompile.placement import ParamSlice, pad_cuts
 
+from sgd_steps import sgd_losses
+
 
 def _gpt(vocab: int) -> GPT:
     torch.manual_seed(0)
@@ -142,24 +144,8 @@ def test_a_sum_over_padding_gives_it_no_gradient(combine: str) -> None:
     ranks = [sm.rank(r) for r in range(4)]
     xs = [torch.randn(3, 8) for _ in range(3)]
 
-    def train(r: int) -> list:
-        opt, losses = torch.optim.SGD(ranks[r].parameters(), lr=0.1), []
-        for x in xs:
-            opt.zero_grad()
-            loss = ranks[r](x).square().mean()
-            loss.backward()
-            opt.step()
-            losses.append(float(loss.detach()))
-        return losses
-
-    results = tpcompile.simulate_ranks(4, train)
-    opt, want = torch.optim.SGD(model.parameters(), lr=0.1), []
-    for x in xs:
-        opt.zero_grad()
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        want.append(float(loss.detach()))
+    results = tpcompile.simulate_ranks(4, lambda r: sgd_losses(ranks[r], xs, 0.1))
+    want = sgd_losses(model, xs, 0.1)
     assert ranks[3].get_parameter("up.weight")[11:].abs().max() == 0  # rank 3: features 39..49, 2 padded rows
     for losses in results:
         assert losses == pytest.approx(want, rel=1e-5)
