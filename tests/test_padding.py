@@ -149,3 +149,17 @@ def test_a_sum_over_padding_gives_it_no_gradient(combine: str) -> None:
     assert ranks[3].get_parameter("up.weight")[11:].abs().max() == 0  # rank 3: features 39..49, 2 padded rows
     for losses in results:
         assert losses == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.gloo
+def test_a_sum_over_padding_trains_under_torchrun_like_one_process() -> None:
+    """examples/train_hybrid.py at tp 4 under torchrun (4 gloo processes, AdamW) on a model that sums its padded
+    hidden width: four steps' losses equal one process's (4.5 % off from the second step when the sum passed its
+    gradient to the padding)."""
+    from hybrid_matrix import TOLERANCE, layout_args, run_example, worst_relative
+
+    args = ["--model", "tests/padded_sum_lm.py:PadLM", "--inputs", "4x16:long", "--steps", "4", "--lr", "0.05",
+            "--json"]
+    out = run_example([*layout_args(1, 4, 1), *args], nproc=4)
+    ref = run_example(["--dp", "1", "--tp", "1", "--pp", "1", *args])
+    assert worst_relative(out["losses"], ref["losses"]) < TOLERANCE, (out["losses"], ref["losses"])
