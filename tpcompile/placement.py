@@ -208,11 +208,6 @@ def cut_shard(dim: int, segments: Sequence[int], cuts: Cuts, world_size: int) ->
     return Shard(dim, tuple(segments), cuts=tuple(cuts))
 
 
-def padded_local(p: Shard, world_size: int) -> int:
-    """A padded dim's size on one rank: its padded size over the ranks, or each padded segment's over its pieces."""
-    return sum(p.seg_local(world_size)) if p.seg_padded else p.padded // world_size
-
-
 def cut_from_shared(have: object, want: object) -> bool:
     """True when `want` is cut locally from `have`, a value in pieces each shared by several ranks: from one piece
     every rank holds whole (`Shard(d, pieces=1)`: multi-query's kv head repeated over the query heads), a

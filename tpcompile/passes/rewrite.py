@@ -9,6 +9,7 @@ from torch import fx
 from torch.fx import GraphModule, Node
 
 import tpcompile.ops  # noqa: F401  (registers torch.ops.tpcompile.* and tpcompile_rng.*)
+from tpcompile.layouts import dim_layout
 from tpcompile.ops.schedule import collective_name
 from tpcompile.passes.decisions import Decisions
 from tpcompile.passes.pass_context import internal_error
@@ -20,9 +21,8 @@ from tpcompile.passes.rewrite_regions import emit_region, is_region
 from tpcompile.passes.rewrite_slices import gather_tokens, local_slice, reduce_partial, size_node, zero_padding
 from tpcompile.passes.rewrite_stats import emit_stats, is_stats
 from tpcompile.passes.rewrite_tables import emit_owned, emit_vocab
-from tpcompile.layouts import dim_layout
 from tpcompile.placement import (REPLICATE, Partial, Replicate, Shard, cut_from_shared, is_seq, local_shape,
-                                 padded_local, shape_key, slice_shape)
+                                 shape_key, slice_shape)
 from tpcompile.sharding_rules.rule_context import Want, param_behind, weight_view
 
 aten = torch.ops.aten
@@ -285,7 +285,7 @@ def _localize_one(em: _Emitter, node: Node, args: list, kind: str, i: int, pos: 
                 per = p.padded // ws
                 sizes[pos] = outer * per if isinstance(outer, int) else em.call(operator.mul, outer, per)
         elif isinstance(sizes[pos], int) and sizes[pos] != -1:
-            local = padded_local(p, ws) if isinstance(p, Shard) and p.padding else sizes[pos] // ws
+            local = sum(p.seg_local(ws)) if isinstance(p, Shard) and p.padding else sizes[pos] // ws
             sizes[pos] = local if ws == em.ws else sizes[pos] // ws
         elif isinstance(sizes[pos], Node):
             with em.graph.inserting_before(node):

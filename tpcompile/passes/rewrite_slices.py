@@ -45,17 +45,9 @@ def local_slice(em: Any, src: Node, node: Node, p: Shard, sync: bool = True, pie
     if sync and (val.is_floating_point() or val.is_complex()):
         src = em.call(tp.grad_all_reduce.default, src, em.plan.group)
     size = to_size(val.shape[p.dim])
-    if p.rank_cuts or p.seg_padded:  # this rank's piece of each segment, its padding zeros
-        runs = dim_layout(p, None, em.ws).runs(em.rank)
+    if p.padded is not None or p.rank_cuts or p.seg_padded:  # this rank's piece of each segment, or its block of
+        runs = dim_layout(p, int(size), em.ws).runs(em.rank)  # the padded dim, its padding zeros (empty past the end)
         return _blocks(em, src, p.dim, val.dim(), [(start, n, block) for start, _, n, block in runs])
-    if p.padded is not None:  # this rank's block of the value zero-padded to p.padded (empty past the end)
-        n, block = int(size), p.padded // em.ws
-        start = min(em.rank * block, n)
-        length = min(block, n - start)
-        x = em.call(aten.narrow.default, src, p.dim, start, length)
-        if length == block:
-            return x
-        return em.call(aten.constant_pad_nd.default, x, [0, 0] * (val.dim() - 1 - p.dim) + [0, block - length], 0)
     if p.pieces:  # one of `pieces` contiguous pieces, each held by ws / pieces ranks
         n = int(size) // p.pieces
         return em.call(aten.narrow.default, src, p.dim, em.rank // (em.ws // p.pieces) * n, n)
@@ -144,6 +136,9 @@ def zero_padding(em: Any, src: Node, x: Node, *, proven: bool = True) -> Node:
 def _blocks(em: Any, x: Node, dim: int, ndim: int, runs: list[tuple[int, int, int]]) -> Node:
     """Blocks of x along dim joined: per (start, n, block), x's n entries from start, zero-padded to block."""
     tail = [0, 0] * (ndim - 1 - dim)
-    parts = [em.call(aten.constant_pad_nd.default, em.call(aten.narrow.default, x, dim, start, n),
-                     tail + [0, block - n], 0) for start, n, block in runs if block]
+    parts = []
+    for start, n, block in runs:
+        if block:  # (an empty piece adds nothing)
+            part = em.call(aten.narrow.default, x, dim, start, n)
+            parts.append(part if n == block else em.call(aten.constant_pad_nd.default, part, tail + [0, block - n], 0))
     return parts[0] if len(parts) == 1 else em.call(aten.cat.default, parts, dim)
