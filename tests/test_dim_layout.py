@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 
 from tpcompile.layouts import DimLayout, Segment, dim_layout
-from tpcompile.placement import ParamSlice, Shard, local_shape, pad_cuts, rank_pieces, seg_cuts, slice_shape
+from tpcompile.placement import (ParamSlice, local_shape, pad_cuts, piece_cut, rank_pieces, seg_cuts,
+                                 slice_placement, slice_shape)
 
 CASES = {  # name -> (placement, dim size, world size, rank, expected runs, expected local size)
     "fused q|k|v": (ParamSlice(0, (8, 8, 8)), 24, 2, 1, [(4, 0, 4, 4), (12, 4, 4, 4), (20, 8, 4, 4)], 12),
     "padded vocabulary": (ParamSlice(0, cuts=pad_cuts(252, 4)), 250, 4, 3, [(189, 0, 61, 63)], 63),
     "kv heads fewer than ranks": (ParamSlice(0, (8, 2, 2), cuts=seg_cuts((8, 2, 2), 4, counts=(4, 1, 1))), 12, 4, 2,
                                   [(4, 0, 2, 2), (8, 2, 2, 2), (10, 4, 2, 2)], 6),
-    "pieces shared by ranks": (ParamSlice(0, pieces=2), 8, 4, 3, [(4, 0, 4, 4)], 4),
+    "pieces shared by ranks": (piece_cut(0, 8, 2), 8, 4, 3, [(4, 0, 4, 4)], 4),
     "padded segments": (ParamSlice(0, (10, 6), cuts=seg_cuts((10, 6), 4, (12, 8))), 16, 4, 3,
                         [(9, 0, 1, 3), (16, 3, 0, 2)], 5),
 }
@@ -26,8 +27,7 @@ def test_what_a_rank_holds(name: str) -> None:
     assert layout.local_size(rank) == size
     assert rank_pieces(sl, full, rank, ws) == [(a, loc, n) for a, loc, n, _ in runs if n > 0]
     assert slice_shape((full, 3), sl, ws) == (size, 3)
-    shard = Shard(0, sl.segments if sl.segments and len(sl.segments) > 1 else None, pieces=sl.pieces, cuts=sl.cuts)
-    assert local_shape((full, 3), shard, rank, ws) == (size, 3)
+    assert local_shape((full, 3), slice_placement(sl), rank, ws) == (size, 3)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

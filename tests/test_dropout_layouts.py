@@ -19,7 +19,8 @@ from tpcompile.capture import Captured, capture
 from tpcompile.models import GPT, GPTConfig
 from tpcompile.passes.recompute import checkpoint_selective
 from tpcompile.passes.rewrite_dropout import split_spec
-from tpcompile.placement import ParamSlice, Shard, local_shape, pad_cuts, rank_pieces, seg_cuts, slice_placement
+from tpcompile.placement import (ParamSlice, Shard, local_shape, pad_cuts, piece_cut, rank_pieces, seg_cuts,
+                                 slice_placement)
 
 IDS = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(2))
 HF = {"phi3": dict(attention_dropout=0.2, resid_pdrop=0.2, num_hidden_layers=1),  # fused q|k|v, 2 kv heads
@@ -161,7 +162,7 @@ def _mask(shape: list[int], placement: object, rank: int, ws: int, rows_of: list
 
 
 @pytest.mark.parametrize("sl", [ParamSlice(1), ParamSlice(1, segments=(8, 4, 4)), ParamSlice(1, cuts=pad_cuts(20, 4)),
-                                ParamSlice(1, pieces=2),
+                                piece_cut(1, 16, 2),
                                 ParamSlice(1, (8, 4, 4), cuts=seg_cuts((8, 4, 4), 4, counts=(4, 2, 2))),
                                 ParamSlice(1, (8, 4, 4), cuts=seg_cuts((8, 4, 4), 4, (8, 8, 8)))])
 def test_each_split_kind_tiles_the_whole_mask(sl: ParamSlice) -> None:

@@ -14,7 +14,7 @@ from tpcompile.passes.decisions import freeze
 from tpcompile.passes.pass_context import PassContext
 from tpcompile.passes.verify_plan import check_tiling, verify_pass
 from tpcompile.passes.verify_ranks import verify_rank
-from tpcompile.placement import ParamSlice, pad_cuts
+from tpcompile.placement import ParamSlice, pad_cuts, piece_cut
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ def test_malformed_graph_is_caught(gpt_sharded: tuple) -> None:
     ((10, 4), ParamSlice(0, cuts=pad_cuts(8, 2)), r"split size 8 .* does not match its dim 0 of size 10"),
     ((10, 4), ParamSlice(0, cuts=((0, 4, 12),)), r"cuts \(\(0, 4, 12\),\) of its whole dim 0 are not one even piece"),
     ((10, 4), ParamSlice(2), r"split on dim 2, which it does not have"),
-    ((10, 4), ParamSlice(1, pieces=3), r"cannot be cut into 3 equal pieces for world size 2"),
+    ((10, 6), piece_cut(1, 6, 3), r"cuts \(\(0, 2, 4, 6\),\) do not fit segments \(6,\) of dim 1 \(size 6\) at world size 2"),
     ((9, 4), ParamSlice(0), r"dim 0 of size 9 .* cannot be cut into 2 equal pieces"),
 ])
 def test_out_of_bounds_or_untiled_slices_are_caught(shape: tuple, sl: ParamSlice, why: str) -> None:

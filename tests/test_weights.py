@@ -11,7 +11,7 @@ from safetensors.torch import save_model
 import tpcompile
 from tpcompile.checkpoint.weights import load_rank_weights
 from tpcompile.models import GPT, GPTConfig
-from tpcompile.placement import ParamSlice, pad_cuts, rank_pieces
+from tpcompile.placement import ParamSlice, pad_cuts, piece_cut, rank_pieces
 
 CFG = GPTConfig(attention="manual", vocab_size=250)
 
@@ -43,7 +43,7 @@ def test_rank_pieces() -> None:
     """Segments give one run per segment, padding is left out, a shared kv-head piece is whole."""
     assert rank_pieces(ParamSlice(0, (4, 4, 4)), 12, 1, 2) == [(2, 0, 2), (6, 2, 2), (10, 4, 2)]
     assert rank_pieces(ParamSlice(0, cuts=pad_cuts(252, 4)), 250, 3, 4) == [(189, 0, 61)]
-    assert rank_pieces(ParamSlice(1, pieces=2), 8, 3, 4) == [(4, 0, 4)]
+    assert rank_pieces(piece_cut(1, 8, 2), 8, 3, 4) == [(4, 0, 4)]
 
 
 def test_meta_model_from_state_dict_at_four_ranks() -> None:

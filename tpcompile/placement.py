@@ -1,15 +1,9 @@
 """Placements and slices: how a value is laid out across ranks, and which part of it each rank holds.
 
-Placements follow DTensor's vocabulary (Replicate, Shard) with extra fields for the layouts
-real models produce; a ParamSlice says how a parameter is cut. Every piece of slice
-arithmetic (which runs a rank holds, local shapes) lives here.
-
-`Shard` carries optional `segments`: the sharded dimension is a concatenation of segments
-(for example a fused q|k|v projection of sizes (C, C, C)) and every segment is split evenly
-across ranks, so a rank holds the concatenation of its piece of each segment. A plain shard
-is the one-segment case. Segments cut otherwise carry `cuts`, each segment's piece bounds (`Cut`
-reads them: pieces fewer than ranks, zero padding per segment, one piece a rank), the value that
-`layouts.DimLayout` computes on. DTensor's `Shard(dim)` has no segments, hence these small types.
+Placements follow DTensor's vocabulary (Replicate, Shard); a ParamSlice says how a parameter is cut. A split dim
+is `segments` (a fused q|k|v projection's (C, C, C); none: one) each split evenly across the ranks, or cut at
+`cuts`, each segment's piece bounds (`Cut` reads them: pieces fewer than ranks, zero padding, one piece a rank),
+the value `layouts.DimLayout` computes on. DTensor's `Shard(dim)` has no segments, hence these small types.
 """
 from __future__ import annotations
 
@@ -49,9 +43,10 @@ class Cut:
     @property
     def rank_cuts(self) -> bool:
         """True for cuts that give each rank a piece of its own (`group_cuts`: some pieces differ in size, or one
-        segment), as opposed to segments cut evenly (`even_segments`) and a padded split (`padded`)."""
-        return self.cuts is not None and self.segments is not None \
-            and (len(self.cuts) == 1 or not all(is_even(c) for c in self.cuts))
+        segment zero-padded), as opposed to segments cut evenly (`even_segments`, one segment in equal pieces
+        shared by ranks included: `pieces`) and a padded split (`padded`)."""
+        return self.cuts is not None and self.segments is not None and (
+            (len(self.cuts) == 1 and self.cuts[0][-1] != self.segments[0]) or not all(is_even(c) for c in self.cuts))
 
     @property
     def even_segments(self) -> bool:
@@ -93,8 +88,15 @@ class ParamSlice(Cut):
 
     dim: int
     segments: Optional[tuple[int, ...]] = None
-    pieces: Optional[int] = None  # cut into this many pieces, each held by world_size/pieces ranks
-    cuts: Optional[Cuts] = None  # per segment, the bounds of its pieces (Shard.cuts)
+    cuts: Optional[Cuts] = None  # per segment, the bounds of its pieces (Shard.cuts); in pieces: `piece_cut`
+
+    @property
+    def pieces(self) -> Optional[int]:
+        """The count of a cut of the whole dim, one segment, into equal pieces each shared by several ranks
+        (`piece_cut`: kv heads fewer than the ranks), else None."""
+        if self.even_segments and len(self.cuts) == 1 and self.cuts[0][-1] == self.segments[0]:
+            return len(self.cuts[0]) - 1
+        return None
 
 
 @dataclass(frozen=True)
@@ -107,12 +109,9 @@ class Shard(Cut):
     outer: Optional[object] = None  # the dim is `outer` repetitions of the split blocks (batch x heads)
     pieces: Optional[int] = None  # one segment of only this many distinct pieces; ranks r*pieces//ws share a piece
     split_next: Optional[int] = None  # with pieces: dim+1 is split this many ways within a piece
-    # per segment, the bounds of its pieces in the segment zero-padded to cuts[-1]; a segment of g pieces (g + 1
-    # bounds) has piece k held by the ranks k * ws / g ... (k + 1) * ws / g - 1 (layouts.DimLayout). Without
-    # segments, one cut of the whole dim past its size: a split zero-padded to a multiple of the ranks (`padded`).
-    # Even bounds: a fused q|k|v padded by whole heads, or with kv heads fewer than ranks; uneven ones (one piece a
-    # rank): a kv group's query heads split within the ranks sharing its kv head (`group_cuts`). None: every
-    # segment split evenly, unpadded.
+    # per segment, the bounds of its pieces in the segment zero-padded to cuts[-1], a segment of g pieces held by
+    # the ranks k * ws / g ... (k + 1) * ws / g - 1 (layouts.DimLayout); without segments, a zero-padded split
+    # (`padded`); None: every segment split evenly, unpadded (`Cut` reads the kinds)
     cuts: Optional[Cuts] = None
 
     def __str__(self) -> str:
@@ -172,6 +171,19 @@ def shard(dim: int, segments: Optional[Sequence[int]] = None) -> Shard:
 def pad_cuts(padded: int, world_size: int) -> Cuts:
     """The cuts of a one-segment split zero-padded to `padded` (a multiple of the world size): even, one a rank."""
     return (even_cuts(int(padded), world_size),)
+
+
+def piece_cut(dim: int, size: int, pieces: int) -> ParamSlice:
+    """A parameter's dim of `size` cut into `pieces` equal pieces, each held by world_size / pieces ranks (kv heads
+    fewer than the ranks): one segment, one even cut."""
+    return ParamSlice(dim, (int(size),), cuts=(even_cuts(int(size), int(pieces)),))
+
+
+def param_cut(p: Shard, size: int) -> ParamSlice:
+    """The cut of a parameter's dim of `size` laid out as `p` (its dim, segments and cuts; `pieces` as a cut)."""
+    if p.pieces:
+        return piece_cut(p.dim, size, p.pieces)
+    return ParamSlice(p.dim, p.segments, cuts=p.cuts)
 
 
 def seg_cuts(segments: Sequence[int], world_size: int, pads: Optional[Sequence[int]] = None,
@@ -242,11 +254,8 @@ def padded_size(size: int, world_size: int) -> int:
 
 
 def rank_pieces(sl: Any, full: int, rank: int, world_size: int) -> list[tuple[int, int, int]]:
-    """(global start, local start, length) of each run along sl.dim of a cut parameter that `rank` holds.
-
-    `sl` is a ParamSlice (dim, segments, padded, pieces); padding is left out, so the local
-    positions past the last run are the zero padding.
-    """
+    """(global start, local start, length) of each run along sl.dim that `rank` holds of a value cut as `sl` (a
+    ParamSlice, or a Shard); padding is left out, so the local positions past the last run are the zero padding."""
     return [(a, loc, n) for a, loc, n, _ in dim_layout(sl, full, world_size).runs(rank) if n > 0]
 
 
@@ -269,9 +278,11 @@ def segment_ranges(size: int, segments: Optional[Sequence[int]], rank: int, worl
 
 def slice_placement(sl: ParamSlice) -> Shard:
     """The placement of a parameter cut by `sl`, as its readers see it."""
+    if sl.pieces:
+        return Shard(sl.dim, pieces=sl.pieces)
     if sl.cuts is not None:
         return Shard(sl.dim, sl.segments, cuts=sl.cuts)
-    return Shard(sl.dim, sl.segments if sl.segments and len(sl.segments) > 1 else None, pieces=sl.pieces)
+    return Shard(sl.dim, sl.segments if sl.segments and len(sl.segments) > 1 else None)
 
 
 def local_shape(shape: Sequence[Any], p: Any, rank: int, world_size: int) -> tuple:

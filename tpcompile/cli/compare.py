@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from tpcompile.placement import ParamSlice, Shard, local_shape, rank_pieces
+from tpcompile.placement import Shard, local_shape, rank_pieces
 from tpcompile.report.tolerance import Tolerance
 from tpcompile.report.wording import placements_in_words
 
@@ -87,8 +87,7 @@ def _rank_diff(ref: torch.Tensor, got: Optional[torch.Tensor], placement: Option
             or tuple(got.shape) != local_shape(ref.shape, placement, rank, world_size)):
         return math.inf, False
     d, worst = placement.dim, 0.0
-    sl = ParamSlice(d, placement.segments, placement.pieces, cuts=placement.cuts)
-    for start, local, n in rank_pieces(sl, ref.shape[d], rank, world_size):
+    for start, local, n in rank_pieces(placement, ref.shape[d], rank, world_size):
         piece = (ref.narrow(d, start, n) - got.narrow(d, local, n)).abs()
         worst = max(worst, float(piece.max()) if piece.numel() else 0.0)
     return worst, True

@@ -14,7 +14,7 @@ from torch.fx import GraphModule
 from tpcompile.passes.decisions import Decisions
 from tpcompile.passes.pass_context import PassContext, describe, owner_path
 from tpcompile.passes.propagate import SEED_RULES, seed_path
-from tpcompile.placement import Cuts, ParamSlice, is_seq, slice_shape
+from tpcompile.placement import Cuts, ParamSlice, is_seq, piece_cut, slice_shape
 from tpcompile.sharding_rules.rule_context import RuleContext, not_token_split
 
 SPLIT_ROLES = ("column", "row", "vocab", "channels")
@@ -39,7 +39,10 @@ class ParamPlan:
 
     def slice(self) -> Optional[ParamSlice]:
         """How the parameter is cut (tpcompile.placement.rank_pieces; None: whole)."""
-        return None if self.dim is None else ParamSlice(self.dim, self.segments, self.pieces, self.cuts)
+        if self.dim is None:
+            return None
+        return piece_cut(self.dim, self.global_shape[self.dim], self.pieces) if self.pieces \
+            else ParamSlice(self.dim, self.segments, cuts=self.cuts)
 
 
 def param_plan(name: str, role: str, sl: Optional[ParamSlice], shape: tuple, local: tuple, tied: tuple,
@@ -47,10 +50,11 @@ def param_plan(name: str, role: str, sl: Optional[ParamSlice], shape: tuple, loc
     """The report of one parameter cut by `sl`: its padding per segment and pieces per segment spelled out."""
     if sl is None:
         return ParamPlan(name, role, None, None, shape, local, tied, world_size=world_size)
+    if sl.pieces:  # one segment in pieces: spelled as their count
+        return ParamPlan(name, role, sl.dim, None, shape, local, tied, None, sl.pieces, None, None, world_size)
     padded = tuple(sl.pads()) if sl.seg_padded else sl.padded
     counts = tuple(sl.counts(world_size)) if sl.shared(world_size) else None
-    return ParamPlan(name, role, sl.dim, sl.segments, shape, local, tied, padded, sl.pieces, counts, sl.cuts,
-                     world_size)
+    return ParamPlan(name, role, sl.dim, sl.segments, shape, local, tied, padded, None, counts, sl.cuts, world_size)
 
 
 @dataclass

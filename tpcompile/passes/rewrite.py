@@ -205,7 +205,7 @@ def _piece_params(em: _Emitter, node: Node) -> dict[Node, Node]:
         behind = param_behind(arg, 0, depth=5) if p is None else None  # a kernel viewed as `w.squeeze(1)`
         at, p = (arg, behind[0]) if behind is not None and behind[1] == 0 else (p, p)  # summed at the view's dim 0
         sl = em.plan.slice_for(p.target) if p is not None else None
-        if sl is not None and (sl.pieces or sl.fewer(em.ws)):
+        if sl is not None and sl.fewer(em.ws):
             if ("pieces", at) not in em.cache:
                 em.cache[("pieces", at)] = _summed_pieces(em, em.env[at], sl)
             summed = em.cache[("pieces", at)]
@@ -217,7 +217,7 @@ def _piece_params(em: _Emitter, node: Node) -> dict[Node, Node]:
 def _summed_pieces(em: _Emitter, w: Node, sl: Any) -> Node:
     """The weight, its gradient summed over the ranks sharing each piece (per segment for a fused q|k|v)."""
     piece = torch.ops.tpcompile.grad_piece_all_reduce.default
-    if not sl.fewer(em.ws):
+    if sl.pieces:  # one segment
         return em.call(piece, w, sl.dim, sl.pieces, em.plan.group)
     # this rank's part of each segment (none of most of a kv group's query heads cut one piece a rank), and its count
     sized = [(b - a, g) for (a, b), g in zip(dim_layout(sl, None, em.ws).blocks(em.rank), sl.counts(em.ws)) if b > a]

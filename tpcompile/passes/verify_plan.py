@@ -75,11 +75,10 @@ def check_tiling(name: str, shape: tuple, sl: Any, world_size: int) -> None:
     if full < size or (sl.segments and sum(sl.segments) != full):
         raise TPCompileError(f"parameter {name}: split size {full} (segments {sl.segments}) does not match its "
                              f"dim {sl.dim} of size {size}; {way_out}")
-    pieces = sl.pieces or world_size
-    if world_size % pieces or any(s % pieces for s in sl.segments or (full,)):
+    if any(s % world_size for s in sl.segments or (full,)):
         raise TPCompileError(f"parameter {name}: dim {sl.dim} of size {full} (segments {sl.segments}) cannot be "
-                             f"cut into {pieces} equal pieces for world size {world_size}; {way_out}")
-    covered = sorted(r for rank in range(pieces) for r in segment_ranges(full, sl.segments, rank, pieces))
+                             f"cut into {world_size} equal pieces for world size {world_size}; {way_out}")
+    covered = sorted(r for rank in range(world_size) for r in segment_ranges(full, sl.segments, rank, world_size))
     pos = 0
     for a, b in covered:
         if a != pos or b > full:

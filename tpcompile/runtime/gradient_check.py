@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from tpcompile.errors import TPCompileError
-from tpcompile.placement import ParamSlice, Shard, local_shape, rank_pieces
+from tpcompile.placement import Shard, local_shape, rank_pieces
 from tpcompile.runtime.gradient_report import GradientCheck, GradientReport, LossCheck
 from tpcompile.runtime.simulator import simulate_ranks
 
@@ -159,16 +159,15 @@ def _local_weight(w: torch.Tensor, p: Any, shape: tuple[int, ...], path: str, ra
         raise TPCompileError(f"output {path} of rank {rank} has shape {tuple(shape)}, neither the original's "
                              f"{tuple(w.shape)} nor a slice check_gradients can map onto it ({p}); pass loss_fn=... "
                              f"or shard without sharded_output on the module that makes it")
-    sl = ParamSlice(p.dim, p.segments, p.pieces, p.cuts)
     held = torch.zeros(w.shape[p.dim], dtype=w.dtype, device=w.device)
     for r in range(ws):  # how many ranks hold each position along the split dim
-        for start, _, n in rank_pieces(sl, w.shape[p.dim], r, ws):
+        for start, _, n in rank_pieces(p, w.shape[p.dim], r, ws):
             held[start:start + n] += 1
     shape_1d = [1] * w.dim()
     shape_1d[p.dim] = -1
     shared = w / held.clamp(min=1).view(shape_1d)
     out = w.new_zeros(shape)
-    for start, local, n in rank_pieces(sl, w.shape[p.dim], rank, ws):
+    for start, local, n in rank_pieces(p, w.shape[p.dim], rank, ws):
         out.narrow(p.dim, local, n).copy_(shared.narrow(p.dim, start, n))
     return out
 

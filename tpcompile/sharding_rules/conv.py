@@ -28,7 +28,7 @@ from typing import Any, Optional
 from torch.fx import Node
 
 from tpcompile.layouts import dim_layout
-from tpcompile.placement import PARTIAL, REPLICATE, ParamSlice, Replicate, Shard, moved, pad_cuts
+from tpcompile.placement import PARTIAL, REPLICATE, ParamSlice, Replicate, Shard, moved, pad_cuts, param_cut
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, param_behind
 from tpcompile.sharding_rules.table import RuleSpec
@@ -142,7 +142,7 @@ def _own_groups(node: Node, spec: RuleSpec, ctx: RuleContext, src: Node, px: Sha
     output's, the group count local (over a zero-padded split or one in segments or pieces, the local channels
     over `group` channels a group: one group per local channel for a depthwise convolution, padding included)."""
     x, w, b = (_arg(node, spec.get(k)) for k in ("input", "weight", "bias"))
-    sl = ParamSlice(0, channels.segments, channels.pieces, channels.cuts)
+    sl = param_cut(moved(channels, 0), ctx.shape(src)[0])
     params: dict[Node, Optional[ParamSlice]] = {src: sl}
     if isinstance(b, Node) and ctx.param(b) is not None:
         params[b] = sl

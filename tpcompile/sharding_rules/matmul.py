@@ -8,7 +8,7 @@ from torch.fx import Node
 
 from tpcompile.layouts import even_cuts
 from tpcompile.placement import (PARTIAL, REPLICATE, Replicate, Shard, group_cuts, moved, pad_cuts, padded_size,
-                                 segmented)
+                                 param_cut, segmented)
 from tpcompile.sharding_rules.pieces import piece_matmul
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Choice, ParamSlice, Result, RuleContext, Want, weight_view
@@ -65,9 +65,9 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         if pieces:  # fewer pieces than ranks: each held by several ranks (MQA's one kv head: by all)
             segments, pads, counts = (wshape[out_dim],), None, [ctx.world_size]
         out = replace(segmented(len(ctx.shape(node)) - 1, segments, ctx.world_size, pads, counts), pieces=pieces)
-        params[w] = ParamSlice(out_dim, out.segments, pieces, out.cuts)
+        params[w] = param_cut(moved(out, out_dim), wshape[out_dim])
         if isinstance(b, Node):
-            params[b] = ParamSlice(0, out.segments, pieces, out.cuts)
+            params[b] = param_cut(moved(out, 0), wshape[out_dim])
         return Result(out, [ctx.replicated_want(x, out)], role="column", params=params)
     if isinstance(px, Shard) and px.pieces is not None:
         # pieces shared by several ranks would be summed once per sharing rank (2 query heads at 4 ranks)

@@ -16,7 +16,7 @@ from typing import Optional
 
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, ParamSlice, Shard
+from tpcompile.placement import REPLICATE, Shard, param_cut
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim
 from tpcompile.sharding_rules.table import RuleSpec, op_name
@@ -57,7 +57,7 @@ def write_into(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
                                     f"which is {pd}")
     # a view whose buffer is not cut yet: this round cuts it, the next reads it cut (the view then matches)
     cut = root is not None and not ctx.demoted(node)
-    params = {root: ParamSlice(target.dim, None, target.pieces, target.cuts)} if cut else {}
+    params = {root: param_cut(target, ctx.shape(root)[target.dim])} if cut else {}
     if root is not None and not params:
         return _fail(node, tensors, f"writes into buffer {root.target}, which the plan keeps whole")
     # (a view of a buffer this round has yet to cut is taken as it is: the round is not the last)
