@@ -9,6 +9,8 @@ import torch.nn.functional as F
 TINY_GPT = dict(vocab_size=64, block_size=32, n_layer=4, n_head=4, n_embd=32)
 TINY_LLAMA = dict(num_hidden_layers=4, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=64, vocab_size=64, max_position_embeddings=32)
+# a fused q|k|v projection (Phi-3's qkv_proj): at tp 4 its k and v rows are in 2 pieces, each held by 2 ranks
+TINY_PHI3 = dict(TINY_LLAMA, pad_token_id=0)
 VOCAB, BATCH, SEQ = 64, 8, 12
 TIED = "lm_head.weight"  # the GPT's LM head shares the token embedding: one copy in the first and last stage
 
@@ -23,7 +25,8 @@ def build(name: str, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
         else:
             import transformers
             transformers.logging.set_verbosity_error()
-            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA))
+            model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**TINY_PHI3)) if name == "phi3" else \
+                transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA))
     return model.to(dtype).train()
 
 

@@ -21,7 +21,8 @@ from tpcompile.hybrid.checkpoint import TensorSpec, local_chunks
 from tpcompile.hybrid.partition import balanced_split, group_pieces, stage_io
 from tpcompile.hybrid.pieces import find_blocks, split_pieces
 from tpcompile.hybrid.stage import build_stage
-from tpcompile.placement import ParamSlice
+from tpcompile.passes.rank_module import local_tensor as rank_local
+from tpcompile.placement import ParamSlice, pad_cuts, piece_cut, seg_cuts
 
 
 @functools.cache
@@ -107,6 +108,32 @@ def test_rank_chunks_tile_the_full_tensor(dim: int) -> None:
     assert torch.equal(count, torch.ones_like(full))
 
 
+SHARED_CUTS = {  # at tp 4: k and v rows of a fused q|k|v in 2 pieces; kv heads in 2 pieces; a padded dim; whole
+    "fused q|k|v, kv pieces": ParamSlice(0, (8, 4, 4), cuts=seg_cuts((8, 4, 4), 4, counts=(4, 2, 2))),
+    "kv pieces": piece_cut(0, 16, 2), "padded": ParamSlice(0, cuts=pad_cuts(12, 4)), "whole": None}
+
+
+@pytest.mark.parametrize("name", sorted(SHARED_CUTS))
+def test_owned_chunks_count_each_element_once(name: str) -> None:
+    """What a gradient norm counts (`owned`): over 4 TP ranks x 3 FSDP rows each element exactly once, a piece
+    several TP ranks hold on one of them (all of its chunks would count those rows twice)."""
+    sl = SHARED_CUTS[name]
+    full = torch.arange(16 * 3, dtype=torch.float64).view(16, 3)[:10 if name == "padded" else 16]
+    spec = TensorSpec("w", ("w",), tuple(full.shape), sl)
+    counts = {owned: torch.zeros_like(full) for owned in (True, False)}
+    for tp_rank in range(4):
+        local = rank_local(full, sl, tp_rank, 4)
+        for dp_rank, rows in enumerate(local.tensor_split(3)):
+            row0 = sum(len(r) for r in local.tensor_split(3)[:dp_rank])
+            for owned, count in counts.items():
+                for offsets, view in local_chunks(rows, row0, spec, tp_rank, 4, owned=owned):
+                    region = tuple(slice(o, o + n) for o, n in zip(offsets, view.shape))
+                    assert torch.equal(full[region], view)
+                    count[region] += 1
+    assert torch.equal(counts[True], torch.ones_like(full))
+    assert counts[False].max() == {"padded": 1, "whole": 4}.get(name, 2)
+
+
 def test_init_mesh_and_parallelize_train_check_their_arguments() -> None:
     """Bad degrees, a missing launch and a mesh of the wrong kind are TPCompileErrors saying what to pass."""
     with pytest.raises(tpcompile.TPCompileError, match="dp must be an int >= 1"):
@@ -140,6 +167,19 @@ def test_hybrid_training_equals_the_single_process_reference(at: int) -> None:
     for r in runs[at]:
         assert max(relative(a, b) for a, b in zip(r["losses"], ref["losses"])) < 1e-9
         assert max(relative(a, b) for a, b in zip(r["norms"], ref["norms"])) < 1e-9
+
+
+@pytest.mark.gloo
+def test_clipped_norm_counts_rows_shared_by_ranks_once() -> None:
+    """Phi-3's fused q|k|v with 2 kv heads at tp 4 (4 gloo ranks): its k and v rows are held by 2 ranks each, yet
+    the clipped global norms, and so the losses, equal one process's (each shared row counted on one rank)."""
+    from hybrid_helpers import hybrid_runs
+    from tpcompile.runtime import launch
+    by_rank = launch(4, hybrid_runs, [{"layout": (1, 4, 1), "name": "phi3", "steps": 2, "clip": 0.01}], timeout=300)
+    ref = reference("phi3", 2, clip=0.01)
+    for (r,) in by_rank:
+        assert max(relative(a, b) for a, b in zip(r["norms"], ref["norms"])) < 1e-9, (r["norms"], ref["norms"])
+        assert max(relative(a, b) for a, b in zip(r["losses"], ref["losses"])) < 1e-9
 
 
 @pytest.mark.gloo

@@ -27,6 +27,7 @@ from tpcompile.checkpoint.dcp import Group, RankChunks
 from tpcompile.checkpoint.dcp_checks import Want
 from tpcompile.checkpoint.layouts import ParamLayout
 from tpcompile.checkpoint.weights import WeightSource, describe, open_weights
+from tpcompile.layouts import dim_layout
 from tpcompile.placement import ParamSlice, rank_pieces
 
 Chunk = tuple[tuple[int, ...], torch.Tensor]  # (offset in the full tensor, view of this rank's storage)
@@ -50,24 +51,28 @@ class HybridChunks(RankChunks):
         self.chunks = [(torch.Size(offsets), view) for offsets, view in chunks]
 
 
-def rank_chunks(value: torch.Tensor, spec: TensorSpec, tp_rank: int, tp: int) -> list[Chunk]:
-    """The chunks of the full tensor that this rank's `value` (plain, or an FSDP DTensor) holds."""
+def rank_chunks(value: torch.Tensor, spec: TensorSpec, tp_rank: int, tp: int, owned: bool = False) -> list[Chunk]:
+    """The chunks of the full tensor that this rank's `value` (plain, or an FSDP DTensor) holds (`owned`: only
+    those of pieces it is the first TP rank to hold, each element once over the TP ranks)."""
     if isinstance(value, DTensor):  # FSDP: this rank's rows of the tensor-parallel slice
         _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-        return local_chunks(value.to_local(), offset[0] if offset else 0, spec, tp_rank, tp)
-    return local_chunks(value, 0, spec, tp_rank, tp)
+        return local_chunks(value.to_local(), offset[0] if offset else 0, spec, tp_rank, tp, owned)
+    return local_chunks(value, 0, spec, tp_rank, tp, owned)
 
 
-def local_chunks(local: torch.Tensor, row0: int, spec: TensorSpec, tp_rank: int, tp: int) -> list[Chunk]:
-    """The chunks of the full tensor in `local`: rows row0.. of TP rank tp_rank's slice of it."""
+def local_chunks(local: torch.Tensor, row0: int, spec: TensorSpec, tp_rank: int, tp: int,
+                 owned: bool = False) -> list[Chunk]:
+    """The chunks of the full tensor in `local`: rows row0.. of TP rank tp_rank's slice of it (`owned`: of the
+    pieces of the slice it is the first TP rank to hold; a tensor kept whole: on TP rank 0)."""
     if local.numel() == 0:
         return []
     nd, full, sl = local.dim(), spec.global_shape, spec.slice
     if sl is None:
-        return [(tuple(row0 if d == 0 else 0 for d in range(nd)), local)]
+        return [] if owned and tp_rank else [(tuple(row0 if d == 0 else 0 for d in range(nd)), local)]
     out: list[Chunk] = []
     rows = local.shape[0]
-    for start, at, n in rank_pieces(sl, full[sl.dim], tp_rank, tp):
+    runs = dim_layout(sl, full[sl.dim], tp).owned(tp_rank) if owned else rank_pieces(sl, full[sl.dim], tp_rank, tp)
+    for start, at, n in runs:
         offsets = [0] * nd
         if sl.dim == 0:  # the data-parallel rows and the tensor-parallel runs cut the same dim
             a, b = max(at, row0), min(at + n, row0 + rows)

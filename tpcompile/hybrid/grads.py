@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from tpcompile.errors import TPCompileError
-from tpcompile.hybrid.checkpoint import TensorSpec
+from tpcompile.hybrid.checkpoint import TensorSpec, rank_chunks
 
 
 @dataclass
@@ -88,16 +88,15 @@ def _pp_subgroup(mesh: DeviceMesh, pp_ranks: tuple[int, ...]) -> Any:
     return mine
 
 
-def _counts(lp: LocalParam, first_stage: int, tp_rank: int, tp: int, dp_rank: int, sharded_dp: bool) -> bool:
-    """True when this copy's gradient elements are counted on this rank (each element exactly once)."""
-    if lp.stage != first_stage:
-        return False
-    sl = lp.spec.slice
-    if sl is None and tp_rank != 0:
-        return False
-    if sl is not None and sl.pieces and tp_rank % (tp // sl.pieces) != 0:
-        return False
-    return sharded_dp or dp_rank == 0
+def _counted(lp: LocalParam, first_stage: int, tp_rank: int, tp: int, dp_rank: int,
+             sharded_dp: bool) -> list[torch.Tensor]:
+    """The parts of this copy's gradient counted on this rank, so that the ranks count each element exactly once:
+    one stage's copy, one data-parallel replica's (unless sharded), and of its tensor-parallel slice the pieces this
+    rank is the first to hold (a piece shared by several TP ranks, k and v rows of a fused q|k|v with fewer kv
+    heads than ranks, counted on one; the zero padding on none)."""
+    if lp.stage != first_stage or not (sharded_dp or dp_rank == 0):
+        return []
+    return [view for _, view in rank_chunks(lp.param.grad.detach(), lp.spec, tp_rank, tp, owned=True)]
 
 
 def clip_grad_norm(params: list[LocalParam], ties: TiedGrads, mesh: DeviceMesh, max_norm: float,
@@ -112,11 +111,13 @@ def clip_grad_norm(params: list[LocalParam], ties: TiedGrads, mesh: DeviceMesh, 
     device = grads[0].device if grads else _device(params)
     acc = torch.zeros((), dtype=torch.float64, device=device)
     for lp in params:
-        if lp.param.grad is None or not _counts(lp, ties.first.get(lp.spec.name, lp.stage), coords["tp"], tp,
-                                                 coords["dp"], sharded_dp):
+        if lp.param.grad is None:
             continue
-        g = local_tensor(lp.param.grad).detach().to(torch.float64)
-        acc = torch.maximum(acc, g.abs().max()) if norm_type == math.inf else acc + g.pow(2).sum()
+        for part in _counted(lp, ties.first.get(lp.spec.name, lp.stage), coords["tp"], tp, coords["dp"], sharded_dp):
+            if not part.numel():
+                continue
+            g = part.to(torch.float64)
+            acc = torch.maximum(acc, g.abs().max()) if norm_type == math.inf else acc + g.pow(2).sum()
     op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
     for dim in ("tp", "dp", "pp"):
         if mesh[dim].size() > 1:

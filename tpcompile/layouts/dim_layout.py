@@ -57,6 +57,12 @@ class DimLayout:
             offset, local = offset + seg.size, local + b - a
         return out
 
+    def owned(self, rank: int) -> list[tuple[int, int, int]]:
+        """(global start, local start, real length) of the runs `rank` counts: of each piece it holds, only those it
+        is the first of its ranks to hold, so that the ranks together count every real element once (a norm)."""
+        return [(a, loc, n) for seg, (a, loc, n, _) in zip(self.segments, self.runs(rank))
+                if n > 0 and rank % (self.world_size // seg.pieces) == 0]
+
     def local_size(self, rank: int) -> int:
         """The dim's size on `rank`, its zero padding included."""
         return sum(seg.cuts[self.piece(seg, rank) + 1] - seg.cuts[self.piece(seg, rank)] for seg in self.segments)
