@@ -21,7 +21,7 @@ import torch
 from torch.fx import Node
 
 from tpcompile.layouts import dim_layout
-from tpcompile.placement import Shard, is_seq, segment_ranges
+from tpcompile.placement import Shard, is_seq
 from tpcompile.sharding_rules.padded import zero_padded
 from tpcompile.sharding_rules.rule_context import to_size
 
@@ -48,16 +48,13 @@ def local_slice(em: Any, src: Node, node: Node, p: Shard, sync: bool = True, pie
     if p.padded is not None or p.rank_cuts or p.seg_padded:  # this rank's piece of each segment, or its block of
         runs = dim_layout(p, int(size), em.ws).runs(em.rank)  # the padded dim, its padding zeros (empty past the end)
         return _blocks(em, src, p.dim, val.dim(), [(start, n, block) for start, _, n, block in runs])
-    if p.pieces:  # one of `pieces` contiguous pieces, each held by ws / pieces ranks
-        n = int(size) // p.pieces
-        return em.call(aten.narrow.default, src, p.dim, em.rank // (em.ws // p.pieces) * n, n)
     dim, x = p.dim, src
     block = int(sympy.simplify(sympy.sympify(size) / sympy.sympify(p.outer))) if p.outer is not None else int(size)
     if p.outer is not None:  # (outer * block, ...) -> (outer, block, ...): the runs repeat in every block
         x = em.call(aten.unflatten.int, x, dim, [-1, block])
         dim += 1
-    runs = [em.call(aten.narrow.default, x, dim, a, b - a)
-            for a, b in segment_ranges(block, p.segments, em.rank, em.ws, p.cuts)]
+    runs = [em.call(aten.narrow.default, x, dim, a, b - a)  # (in pieces: the one of the ranks sharing it)
+            for a, b in dim_layout(p, block, em.ws).blocks(em.rank)]
     x = runs[0] if len(runs) == 1 else em.call(aten.cat.default, runs, dim)
     return em.call(aten.flatten.using_ints, x, dim - 1, dim) if p.outer is not None else x
 

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.fx import Node
 
+from tpcompile.layouts import dim_layout
 from tpcompile.placement import Placement, Shard, segment_ranges
 
 _MAX_ELEMENTS = 1 << 20
@@ -30,12 +31,8 @@ def _example(shape: Sequence[int], dtype: torch.dtype, gen: torch.Generator, dev
 
 def positions(p: Shard, size: int, rank: int, ws: int, outer: int = 1) -> list[int]:
     """The indices along p.dim that `rank` holds of a dim of `size` split as `p` (`outer`: p.outer's value)."""
-    if p.pieces:  # one of `pieces` contiguous pieces, shared by ws // pieces ranks
-        n = size // p.pieces
-        k = rank // (ws // p.pieces)
-        return list(range(k * n, (k + 1) * n))
-    block = size // outer
-    runs = segment_ranges(block, p.segments, rank, ws)
+    block = size // outer  # in pieces: the one of the ranks sharing it, in every repetition
+    runs = dim_layout(p, block, ws).blocks(rank) if p.pieces else segment_ranges(block, p.segments, rank, ws)
     return [b * block + i for b in range(outer) for start, stop in runs for i in range(start, stop)]
 
 
