@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import threading
 
 import pytest
 import torch
@@ -112,3 +113,23 @@ def test_bucketed_gradient_syncs_are_read_with_their_shapes(caplog: pytest.LogCa
     buckets = [e for e in entries if e.op == "grad_bucket_all_reduce"]
     assert buckets and all(d.startswith("(") for e in buckets for d in e.shape)
     assert any(e.shape[0] == "(64)" for e in buckets)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False])
+def test_padded_heads_keep_the_schedule_symbolic(sequence_parallel: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """The bundled GPT's 4 heads at 3 ranks (padded 2|2|0; with sequence parallelism, tokens in shares that differ
+    by one): each rank, capturing on its own as under torchrun, traces a symbolic schedule equal to every other's
+    (a zero-padded block's pad is traced symbolically, not at the example's sizes)."""
+    one_at_a_time = threading.Lock()  # simulated ranks are threads; tracing shares torch's global state
+
+    def traced(rank: int) -> list:
+        with one_at_a_time:
+            sm = tpcompile.shard(GPT(GPTConfig(n_layer=1)), 3, sequence_parallel=sequence_parallel)
+            fake = [n.meta["val"] for n in sm.captured.graph.nodes if n.op == "placeholder"]
+            return schedule(sm.rank(rank), fake)
+
+    with caplog.at_level("WARNING", logger="tpcompile"):
+        schedules = tpcompile.simulate_ranks(3, traced)
+    assert "fake-tensor tracing failed" not in caplog.text
+    assert first_difference(schedules) is None
+    assert all(e.shape[:2] == ("d0", "d1") for e in schedules[2] if e.op == "all_reduce"), schedules[2]

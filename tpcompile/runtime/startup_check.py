@@ -7,6 +7,7 @@ import re
 from typing import Any, Optional
 
 import torch
+import torch._refs
 import torch.distributed as dist
 from torch.fx import GraphModule, Interpreter
 
@@ -18,6 +19,10 @@ __all__ = ["check_schedules", "digest", "first_difference", "schedule"]
 log = logging.getLogger("tpcompile")
 
 Entry = CollectiveCall  # (op, shape, dtype, other arguments)
+
+
+# ops whose fake kernel specializes symbolic sizes (it reads them as ints), run as their symbolic decomposition
+_SYMBOLIC = {torch.ops.aten.constant_pad_nd.default: torch._refs.constant_pad_nd}
 
 
 class _Recorder(Interpreter):
@@ -46,6 +51,8 @@ class _Recorder(Interpreter):
             else:
                 shape, dtype = tuple(str(d) for d in x.shape), str(x.dtype)
             self.entries.append(CollectiveCall(op, shape, dtype, self._named(args[1:])))
+        if target in _SYMBOLIC:  # its kernel reads concrete sizes, which would fix the symbolic ones (a padded block)
+            return _SYMBOLIC[target](*args, **kwargs)
         return super().call_function(target, args, kwargs)
 
 
