@@ -12,7 +12,8 @@ from torch import nn
 
 import tpcompile
 import tpcompile.ops.rng as rng
-from tpcompile.placement import ParamSlice, group_cuts, rank_pieces
+from tpcompile.placement import ParamSlice, rank_pieces
+from tpcompile.sharding_rules.group_cuts import group_cuts
 from tpcompile.report.plan_table import split_text
 
 from test_uneven_heads import Attention, _exact, _net, _shard

@@ -308,13 +308,3 @@ def local_shape(shape: Sequence[Any], p: Any, rank: int, world_size: int) -> tup
 def shape_key(shape: Sequence[Any]) -> tuple[str, ...]:
     """A shape as expressions ('s0', 's1//2', '64'), so symbolic sizes compare as expressions."""
     return tuple(str(s) for s in shape)
-
-
-def group_cuts(groups: int, size: int, unit: int, share: int, world_size: int) -> Cuts:
-    """The cuts of `groups` segments of `size` elements (whole units of `unit`), segment k split among the `share`
-    ranks k * share ... (k + 1) * share - 1 only, each holding ceil(units / share) units (the last ones zeros): a
-    kv group's query heads split within the ranks that share its kv head (3 heads at 2 ranks: 2 | 1 and a zero
-    head)."""
-    per = -(-(size // unit) // share) * unit
-    return tuple(tuple(min(max(r - k * share, 0), share) * per for r in range(world_size + 1))
-                 for k in range(groups))

@@ -4,7 +4,7 @@ With kv heads in pieces (each held by `share` = world_size / kv ranks) and a gro
 does not divide (12 query heads on 4 kv heads at 8 ranks: groups of 3 at 2 ranks), rank k * share + i holds
 query heads i * c ... (i + 1) * c - 1 of group k, c = ceil(group / share), the heads past the group zeros
 (2 | 1 and a zero head), and a copy of kv head k for each. The layout of the heads dim is explicit: segment k
-(group k) cut only among its ranks (`placement.group_cuts`). It arises where grouped-query attention repeats
+(group k) cut only among its ranks (`group_cuts`). It arises where grouped-query attention repeats
 the kv heads (`expand` marked `pad_within` by passes/head_groups.py, whose query projection's split it
 matches), and follows views that split or merge the heads dim with the dims after it.
 """
@@ -14,8 +14,18 @@ from dataclasses import replace
 from typing import Optional, Sequence
 
 from tpcompile.layouts import dim_layout
-from tpcompile.placement import Shard, group_cuts
+from tpcompile.placement import Cuts, Shard
 from tpcompile.sharding_rules.rule_context import Size, prod
+
+
+def group_cuts(groups: int, size: int, unit: int, share: int, world_size: int) -> Cuts:
+    """The cuts of `groups` segments of `size` elements (whole units of `unit`), segment k split among the `share`
+    ranks k * share ... (k + 1) * share - 1 only, each holding ceil(units / share) units (the last ones zeros): a
+    kv group's query heads split within the ranks that share its kv head (3 heads at 2 ranks: 2 | 1 and a zero
+    head)."""
+    per = -(-(size // unit) // share) * unit
+    return tuple(tuple(min(max(r - k * share, 0), share) * per for r in range(world_size + 1))
+                 for k in range(groups))
 
 
 def padded_groups(p: Shard, ins: Sequence[Size], ws: int) -> Optional[Shard]:

@@ -7,8 +7,9 @@ from typing import Any, Optional
 from torch.fx import Node
 
 from tpcompile.layouts import even_cuts
-from tpcompile.placement import (PARTIAL, REPLICATE, Replicate, Shard, group_cuts, moved, pad_cuts, padded_size,
-                                 param_cut, segmented)
+from tpcompile.placement import (PARTIAL, REPLICATE, Replicate, Shard, moved, pad_cuts, padded_size, param_cut,
+                                 segmented)
+from tpcompile.sharding_rules.group_cuts import group_cuts
 from tpcompile.sharding_rules.pieces import piece_matmul
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Choice, ParamSlice, Result, RuleContext, Want, weight_view
