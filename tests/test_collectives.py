@@ -91,10 +91,10 @@ def test_ops_are_registered_with_exact_schemas() -> None:
     """Each op exists as torch.ops.tpcompile.<name>.default with the documented schema."""
     want = {
         "all_reduce": "tpcompile::all_reduce(Tensor x, str group) -> Tensor",
-        "all_gather": "tpcompile::all_gather(Tensor x, int dim, str group) -> Tensor",
+        "all_gather": "tpcompile::all_gather(Tensor x, int dim, str group, *, SymInt? size=None) -> Tensor",
         "reduce_scatter": "tpcompile::reduce_scatter(Tensor x, int dim, str group) -> Tensor",
         "all_gather_replicated":
-            "tpcompile::all_gather_replicated(Tensor x, int dim, str group) -> Tensor",
+            "tpcompile::all_gather_replicated(Tensor x, int dim, str group, *, SymInt? size=None) -> Tensor",
         "grad_all_reduce": "tpcompile::grad_all_reduce(Tensor(a) x, str group) -> Tensor(a)",
         "scatter": "tpcompile::scatter(Tensor x, int dim, str group) -> Tensor",
     }
@@ -243,11 +243,44 @@ def test_world_size_and_rank_helpers_in_simulator() -> None:
     assert got == [(4, 0), (4, 1), (4, 2), (4, 3)]
 
 
-def test_indivisible_scatter_and_bad_dim_raise() -> None:
-    """A size the world size does not divide, or a dim out of range, raises TPCompileError."""
+@pytest.mark.parametrize("world_size,size", [(3, 7), (4, 3), (2, 6)])
+@pytest.mark.parametrize("name", ["reduce_scatter", "scatter", "all_gather", "all_gather_replicated"])
+def test_shares_of_any_size(name: str, world_size: int, size: int) -> None:
+    """A dim the world size does not divide splits in torch.tensor_split's shares (the first size % ws ranks one
+    more, none for ranks past the size); gathers given the whole size put them back; each backward is the
+    conjugate's."""
+    full = [torch.randn(2, size, 3, generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
+    grads = [torch.randn(2, size, 3, generator=torch.Generator().manual_seed(50 + r)) for r in range(world_size)]
+    part = lambda t, r: torch.tensor_split(t, world_size, 1)[r]  # noqa: E731
+
+    def run(rank: int) -> tuple:
+        gather = name.startswith("all_gather")
+        x = (part(full[rank], rank) if gather else full[rank]).clone().requires_grad_()
+        op = getattr(torch.ops.tpcompile, name).default
+        y = op(x, 1, "default", size=size) if gather else op(x, 1, "default")
+        g = grads[rank] if gather else part(grads[rank], rank)
+        y.backward(g)
+        return y.detach(), x.grad
+
+    for rank, (y, gx) in enumerate(simulate_ranks(world_size, run)):
+        mine = lambda ts: part(_ordered_sum(ts), rank)  # noqa: E731
+        want = {"reduce_scatter": (mine(full), torch.cat([part(g, r) for r, g in enumerate(grads)], 1)),
+                "scatter": (part(full[rank], rank), torch.cat([part(g, r) for r, g in enumerate(grads)], 1)),
+                "all_gather": (torch.cat([part(x, r) for r, x in enumerate(full)], 1), mine(grads)),
+                "all_gather_replicated": (torch.cat([part(x, r) for r, x in enumerate(full)], 1),
+                                          part(grads[rank], rank))}[name]
+        torch.testing.assert_close(y, want[0])
+        torch.testing.assert_close(gx, want[1])
+
+
+def test_wrong_share_and_bad_dim_raise() -> None:
+    """A gather on a rank holding other than its share of the given size (ranks fed different lengths), or of a
+    dim out of range, raises TPCompileError before communicating."""
     def run(rank: int) -> None:
-        with pytest.raises(TPCompileError, match="not divisible by world size 2"):
-            C.scatter(torch.ones(3, 5), 1, "default")
+        if rank == 1:
+            with pytest.raises(TPCompileError, match="rank 1 holds 3 of the 5 entries of dim 1 split over 2 ranks, "
+                                                     "not its share of 2: every rank must run on the same inputs"):
+                C.all_gather(torch.ones(3, 3), 1, "default", size=5)
         with pytest.raises(TPCompileError, match="dim 2 is out of range"):
             C.all_gather(torch.ones(3, 5), 2, "default")
 

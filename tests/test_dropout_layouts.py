@@ -58,11 +58,12 @@ def _sharded(name: str, world_size: int, sequence_parallel: bool = False) -> tpc
     return shard_captured(dataclasses.replace(cap, gm=gm), world_size, sequence_parallel=sequence_parallel)
 
 
-@pytest.mark.parametrize("world_size,sequence_parallel", [(2, False), (4, False), (2, True), (4, True), (3, False)])
+@pytest.mark.parametrize("world_size,sequence_parallel", [(2, False), (4, False), (2, True), (4, True), (3, False),
+                                                           (3, True), (5, True)])
 @pytest.mark.parametrize("attention", ["sdpa", "manual"])
 def test_gpt_masks_equal_world_size_one(attention: str, world_size: int, sequence_parallel: bool) -> None:
-    """The GPT with dropout on gives, on every rank at ws 2, 3 and 4 (heads, tokens split; its 4 heads padded to 6
-    at 3 ranks), the output of ws 1."""
+    """The GPT with dropout on gives, on every rank at ws 2, 3, 4 and 5 (heads, tokens split; its 4 heads padded to
+    6 at 3 ranks; its 16 tokens in shares of 6|5|5 at 3 ranks, 4|3|3|3|3 at 5), the output of ws 1."""
     want = _outputs(attention, 1)[0]
     sm = _sharded(attention, world_size, sequence_parallel)
     masks = sum(n.target is torch.ops.tpcompile_rng.dropout_mask.default for n in sm.rank(1).graph.nodes)

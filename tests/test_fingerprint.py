@@ -115,7 +115,7 @@ def test_bucketed_gradient_syncs_are_read_with_their_shapes(caplog: pytest.LogCa
     assert any(e.shape[0] == "(64)" for e in buckets)
 
 
-@pytest.mark.parametrize("sequence_parallel", [False])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_padded_heads_keep_the_schedule_symbolic(sequence_parallel: bool, caplog: pytest.LogCaptureFixture) -> None:
     """The bundled GPT's 4 heads at 3 ranks (padded 2|2|0; with sequence parallelism, tokens in shares that differ
     by one): each rank, capturing on its own as under torchrun, traces a symbolic schedule equal to every other's

@@ -85,14 +85,18 @@ def test_vision_transformer_tokens_split(ws: int) -> None:
             torch.testing.assert_close(out, model(img), atol=2e-5, rtol=1e-5)
 
 
-def test_plan_says_why_tokens_stay_whole() -> None:
-    """A vision transformer with a class token has 17 tokens: at 2 ranks its sums are all-reduced, and the plan
-    says so for each row split."""
+@pytest.mark.parametrize("ws", [2, 3])
+def test_class_token_count_splits_unevenly(ws: int) -> None:
+    """A vision transformer with a class token has 17 tokens: at 2 and 3 ranks they split in shares of 9|8 and
+    6|6|5, each row split reduce-scattered, and the hidden states equal the original's."""
     model = _vit()
-    sm = tpcompile.shard(model, 2, example_kwargs={"pixel_values": torch.randn(2, 3, 32, 32)}, sequence_parallel=True)
-    assert sm.plan.sequence_parallel and all(
-        "17 tokens (fixed by the model) are not a multiple of world size 2" in why
-        for why in sm.plan.sequence_parallel.values())
+    sm = tpcompile.shard(model, ws, example_kwargs={"pixel_values": torch.randn(2, 3, 32, 32)}, sequence_parallel=True)
+    assert set(sm.plan.sequence_parallel.values()) == {"reduce-scattered: split by tokens"}
+    pixels = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        want = model(pixel_values=pixels).last_hidden_state
+        for out in tpcompile.simulate(sm, pixel_values=pixels):
+            torch.testing.assert_close(out.last_hidden_state, want, atol=2e-5, rtol=1e-5)
 
 
 def _vit() -> nn.Module:

@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence, Union
 
-from tpcompile.layouts import dim_layout, even_cuts, is_even
+import sympy
+
+from tpcompile.layouts import dim_layout, even_cuts, is_even, token_shares
 
 Cuts = tuple[tuple[int, ...], ...]  # per segment, the bounds of its pieces (layouts.DimLayout's Segment.cuts)
 
@@ -300,6 +302,9 @@ def local_shape(shape: Sequence[Any], p: Any, rank: int, world_size: int) -> tup
             out[p.dim + 1] = -(-nxt // p.split_next) if isinstance(nxt, int) else nxt // p.split_next
     elif p.segments and isinstance(size, int):
         out[p.dim] = dim_layout(p, size, world_size).local_size(rank)
+    elif p.seq:  # this rank's share of every sequence's tokens (`outer` sequences flattened with them)
+        per = size if p.outer is None else sympy.simplify(sympy.sympify(size) / sympy.sympify(p.outer))
+        out[p.dim] = token_shares.share(per, rank, world_size) * (1 if p.outer is None else p.outer)
     else:
         out[p.dim] = size // world_size
     return tuple(out)

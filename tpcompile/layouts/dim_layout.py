@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from tpcompile.layouts import token_shares
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -83,12 +85,16 @@ def is_even(cuts: Sequence[int]) -> bool:
 
 def dim_layout(p: Any, full: Optional[int], world_size: int) -> DimLayout:
     """The layout of a split dim of size `full` (None: not known, a padded split's padding gives the sizes) that a
-    ParamSlice or Shard `p` describes (its `segments` and their `cuts`, the cuts of a padded dim, or `pieces`)."""
+    ParamSlice or Shard `p` describes (its `segments` and their `cuts`, the cuts of a padded dim, `pieces`, or a
+    token split's shares)."""
     if p.cuts is not None:  # explicit: segment k cut at p.cuts[k]; without segments, the dim cut past its size
         assert all(world_size % (len(c) - 1) == 0 for c in p.cuts), \
             f"pieces {[len(c) - 1 for c in p.cuts]} do not divide the world size {world_size}"
         segs = p.segments or (p.cuts[0][-1] if full is None else full,)
         return DimLayout(world_size, tuple(Segment(s, tuple(c)) for s, c in zip(segs, p.cuts)))
+    if getattr(p, "seq", False) and full is not None:  # tokens: one run a rank, the first full % ws one longer
+        bounds = tuple(token_shares.start(full, r, world_size) for r in range(world_size)) + (full,)
+        return DimLayout(world_size, (Segment(full, bounds),))
     if p.pieces:  # one segment of `pieces` pieces, each shared by world_size / pieces ranks
         return DimLayout(world_size, (Segment(full, even_cuts(full, p.pieces)),))
     segs = list(p.segments) if p.segments else [full]

@@ -12,11 +12,13 @@ process group and binds the graph to it.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from tpcompile.errors import TPCompileError
+from tpcompile.layouts.token_shares import share, slot
+from tpcompile.ops import shares
 from tpcompile.runtime.failures import collective_error
 
 __all__ = ["LOWERED"]
@@ -61,9 +63,19 @@ def _scatter_sum(x: torch.Tensor, dim: int, ws: int, group: str) -> torch.Tensor
     return out.movedim(0, dim)
 
 
-def _chunk(x: torch.Tensor, dim: int, rank: int, ws: int) -> torch.Tensor:
-    n = x.shape[dim] // ws
-    return x.narrow(dim, rank * n, n)
+def _gather_shares(x: torch.Tensor, dim: int, ws: int, group: str, size: Optional[int]) -> torch.Tensor:
+    """_gather of shares of `size` entries that may differ by one (ops/shares.py): sent padded, the padding dropped."""
+    if size is None or size == x.shape[dim] * ws:
+        return _gather(x, dim, ws, group)
+    return shares.gathered(_gather(shares.pad(x, dim, slot(size, ws)), dim, ws, group), dim, size, ws)
+
+
+def _scatter_shares(x: torch.Tensor, dim: int, rank: int, ws: int, group: str) -> torch.Tensor:
+    """_scatter_sum of any size along dim: this rank's share (ops/shares.py)."""
+    if x.shape[dim] % ws == 0:
+        return _scatter_sum(x, dim, ws, group)
+    out = _scatter_sum(shares.padded_shares(x, dim, ws), dim, ws, group)
+    return out.narrow(dim, 0, share(x.shape[dim], rank, ws))
 
 
 class AllReduce(torch.autograd.Function):
@@ -95,26 +107,28 @@ class AllGather(torch.autograd.Function):
     """all_gather: gather in forward, reduce-scatter in backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, rank: int, ws: int, group: str) -> torch.Tensor:
-        ctx.dim, ctx.ws, ctx.group = dim, ws, group
-        return _gather(x, dim, ws, group)
+    def forward(ctx: Any, x: torch.Tensor, dim: int, rank: int, ws: int, group: str,
+                size: Optional[int] = None) -> torch.Tensor:
+        ctx.dim, ctx.rank, ctx.ws, ctx.group = dim, rank, ws, group
+        return _gather_shares(x, dim, ws, group, size)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return _scatter_sum(grad, ctx.dim, ctx.ws, ctx.group), None, None, None, None
+        return _scatter_shares(grad, ctx.dim, ctx.rank, ctx.ws, ctx.group), None, None, None, None, None
 
 
 class AllGatherReplicated(torch.autograd.Function):
-    """all_gather_replicated: gather in forward, this rank's chunk of the gradient in backward."""
+    """all_gather_replicated: gather in forward, this rank's share of the gradient in backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, rank: int, ws: int, group: str) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, dim: int, rank: int, ws: int, group: str,
+                size: Optional[int] = None) -> torch.Tensor:
         ctx.dim, ctx.rank, ctx.ws = dim, rank, ws
-        return _gather(x, dim, ws, group)
+        return _gather_shares(x, dim, ws, group, size)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return _chunk(grad, ctx.dim, ctx.rank, ctx.ws), None, None, None, None
+        return shares.own(grad, ctx.dim, ctx.rank, ctx.ws), None, None, None, None, None
 
 
 class ReduceScatter(torch.autograd.Function):
@@ -122,25 +136,25 @@ class ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, rank: int, ws: int, group: str) -> torch.Tensor:
-        ctx.dim, ctx.ws, ctx.group = dim, ws, group
-        return _scatter_sum(x, dim, ws, group)
+        ctx.dim, ctx.ws, ctx.group, ctx.size = dim, ws, group, x.shape[dim]
+        return _scatter_shares(x, dim, rank, ws, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return _gather(grad, ctx.dim, ctx.ws, ctx.group), None, None, None, None
+        return _gather_shares(grad, ctx.dim, ctx.ws, ctx.group, ctx.size), None, None, None, None
 
 
 class Scatter(torch.autograd.Function):
-    """scatter: this rank's chunk in forward (no communication), gather in backward."""
+    """scatter: this rank's share in forward (no communication), gather in backward."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, rank: int, ws: int, group: str) -> torch.Tensor:
-        ctx.dim, ctx.ws, ctx.group = dim, ws, group
-        return _chunk(x, dim, rank, ws).contiguous()
+        ctx.dim, ctx.ws, ctx.group, ctx.size = dim, ws, group, x.shape[dim]
+        return shares.own(x, dim, rank, ws).contiguous()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return _gather(grad, ctx.dim, ctx.ws, ctx.group), None, None, None, None
+        return _gather_shares(grad, ctx.dim, ctx.ws, ctx.group, ctx.size), None, None, None, None
 
 
 def _piece_sum(grads: list[torch.Tensor], dims: list[int], pieces: list[int], rank: int, ws: int,
@@ -236,14 +250,16 @@ def grad_all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     return GradAllReduce.apply(x, group)
 
 
-def all_gather(x: torch.Tensor, dim: int, rank: int, ws: int, group: str) -> torch.Tensor:
-    """Every rank's x along dim; reduce-scatter backward."""
-    return AllGather.apply(x, dim, rank, ws, group)
+def all_gather(x: torch.Tensor, dim: int, rank: int, ws: int, group: str, *,
+               size: Optional[int] = None) -> torch.Tensor:
+    """Every rank's x along dim (`size` of it, when shares differ); reduce-scatter backward."""
+    return AllGather.apply(x, dim, rank, ws, group, size)
 
 
-def all_gather_replicated(x: torch.Tensor, dim: int, rank: int, ws: int, group: str) -> torch.Tensor:
-    """Every rank's x along dim; own chunk of the gradient backward."""
-    return AllGatherReplicated.apply(x, dim, rank, ws, group)
+def all_gather_replicated(x: torch.Tensor, dim: int, rank: int, ws: int, group: str, *,
+                          size: Optional[int] = None) -> torch.Tensor:
+    """Every rank's x along dim (`size` of it, when shares differ); own share of the gradient backward."""
+    return AllGatherReplicated.apply(x, dim, rank, ws, group, size)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, rank: int, ws: int, group: str) -> torch.Tensor:

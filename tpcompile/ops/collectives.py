@@ -20,12 +20,14 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal, Optional
 
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 from tpcompile.errors import TPCompileError
+from tpcompile.layouts import token_shares
+from tpcompile.ops import shares
 from tpcompile.ops.schedule import COLLECTIVE_OPS, FORWARD_COLLECTIVES
 from tpcompile.runtime.backends import (
     Backend,
@@ -60,6 +62,8 @@ _recorders: list[list[CollectiveEvent]] = []
 _record_lock = threading.Lock()
 # The compiler emits plain int dims, so the schema says int rather than the inferred SymInt.
 _DIM_SCHEMA = "(Tensor x, int dim, str group) -> Tensor"
+# A gather of a token split passes the gathered size: the ranks' shares may differ by one (layouts/token_shares.py).
+_GATHER_SCHEMA = "(Tensor x, int dim, str group, *, SymInt? size=None) -> Tensor"
 
 
 @contextmanager
@@ -100,15 +104,42 @@ def _dim(op: str, x: torch.Tensor, dim: int) -> int:
     return dim % x.dim()
 
 
-def _split_shape(op: str, x: torch.Tensor, dim: int, ws: int) -> list:
-    """x's shape with dim divided by ws; concrete sizes must divide evenly."""
-    shape = list(x.shape)
-    if isinstance(shape[dim], int) and shape[dim] % ws:
-        raise TPCompileError(f"tpcompile.{op}: size {shape[dim]} of dim {dim} is not "
-                             f"divisible by world size {ws} (with sequence_parallel=True the "
-                             f"sequence length must be a multiple of the world size)")
-    shape[dim] = shape[dim] // ws
+def _share_shape(x: torch.Tensor, dim: int, group: str) -> list:
+    """x's shape with dim cut to this rank's share of it (layouts/token_shares.py: any size splits, the first
+    size % ws ranks one more). Traced without a rank (a world size registered for tracing), an even share."""
+    shape, ws = list(x.shape), world_size_of(group)
+    if isinstance(shape[dim], int) and shape[dim] % ws == 0:
+        shape[dim] = shape[dim] // ws
+        return shape
+    try:
+        rank = rank_of(group)
+    except TPCompileError:
+        shape[dim] = shape[dim] // ws
+        return shape
+    shape[dim] = token_shares.share(shape[dim], rank, ws)
     return shape
+
+
+def _gather_shares(op: str, x: torch.Tensor, dim: int, size: Optional[int], group: str) -> torch.Tensor:
+    """Every rank's x along dim in rank order; with `size`, the ranks hold shares of size entries that may differ by
+    one (token_shares): each is sent padded to the largest, and the padding dropped."""
+    ws = world_size_of(group)
+    if size is None or size == x.shape[dim] * ws:
+        return _run(op, x, group, lambda b: b.all_gather(x, dim))
+    n = token_shares.slot(size, ws)
+    if x.shape[dim] != token_shares.share(size, rank_of(group), ws):
+        raise TPCompileError(f"tpcompile.{op}: rank {rank_of(group)} holds {x.shape[dim]} of the {size} entries of "
+                             f"dim {dim} split over {ws} ranks, not its share of "
+                             f"{token_shares.share(size, rank_of(group), ws)}: every rank must run on the same "
+                             f"inputs (the same batch and sequence length)")
+    padded = shares.pad(x.contiguous(), dim, n)
+    full = _run(op, padded, group, lambda b: b.all_gather(padded, dim))
+    return shares.gathered(full, dim, size, ws)
+
+
+def _own_share(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    """This rank's share of x along dim (a view)."""
+    return shares.own(x, dim, rank_of(group), world_size_of(group))
 
 
 @torch.library.custom_op("tpcompile::all_reduce", mutates_args=())
@@ -117,27 +148,28 @@ def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     return _run("all_reduce", x, group, lambda b: b.all_reduce(x))
 
 
-@torch.library.custom_op("tpcompile::all_gather", mutates_args=(), schema=_DIM_SCHEMA)
-def all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-    """Concatenate every rank's x along dim in rank order."""
-    d = _dim("all_gather", x, dim)
-    return _run("all_gather", x, group, lambda b: b.all_gather(x, d))
+@torch.library.custom_op("tpcompile::all_gather", mutates_args=(), schema=_GATHER_SCHEMA)
+def all_gather(x: torch.Tensor, dim: int, group: str, *, size: Optional[int] = None) -> torch.Tensor:
+    """Concatenate every rank's x along dim in rank order (`size`: the gathered size, when shares differ)."""
+    return _gather_shares("all_gather", x, _dim("all_gather", x, dim), size, group)
 
 
 @torch.library.custom_op("tpcompile::reduce_scatter", mutates_args=(), schema=_DIM_SCHEMA)
 def reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-    """Sum x over ranks and keep this rank's contiguous chunk along dim."""
-    d = _dim("reduce_scatter", x, dim)
-    _split_shape("reduce_scatter", x, d, world_size_of(group))
-    return _run("reduce_scatter", x, group, lambda b: b.reduce_scatter(x, d))
+    """Sum x over ranks and keep this rank's contiguous share along dim (any size: layouts/token_shares.py)."""
+    d, ws = _dim("reduce_scatter", x, dim), world_size_of(group)
+    if x.shape[d] % ws == 0:
+        return _run("reduce_scatter", x, group, lambda b: b.reduce_scatter(x, d))
+    padded = shares.padded_shares(x, d, ws)  # shares that differ by one, each sent padded to the largest
+    out = _run("reduce_scatter", padded, group, lambda b: b.reduce_scatter(padded, d))
+    return out.narrow(d, 0, token_shares.share(x.shape[d], rank_of(group), ws)).contiguous()
 
 
 @torch.library.custom_op("tpcompile::all_gather_replicated", mutates_args=(),
-                         schema=_DIM_SCHEMA)
-def all_gather_replicated(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+                         schema=_GATHER_SCHEMA)
+def all_gather_replicated(x: torch.Tensor, dim: int, group: str, *, size: Optional[int] = None) -> torch.Tensor:
     """Concatenate every rank's x along dim; every rank then uses the result identically."""
-    d = _dim("all_gather_replicated", x, dim)
-    return _run("all_gather_replicated", x, group, lambda b: b.all_gather(x, d))
+    return _gather_shares("all_gather_replicated", x, _dim("all_gather_replicated", x, dim), size, group)
 
 
 @torch.library.custom_op("tpcompile::grad_all_reduce", mutates_args=(),
@@ -149,11 +181,8 @@ def grad_all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
 
 @torch.library.custom_op("tpcompile::scatter", mutates_args=(), schema=_DIM_SCHEMA)
 def scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-    """Keep this rank's contiguous chunk of x along dim, without communicating."""
-    d = _dim("scatter", x, dim)
-    ws, rank = world_size_of(group), rank_of(group)
-    n = _split_shape("scatter", x, d, ws)[d]
-    return x.narrow(d, rank * n, n).clone(memory_format=torch.contiguous_format)
+    """Keep this rank's contiguous share of x along dim (layouts/token_shares.py), without communicating."""
+    return _own_share(x, _dim("scatter", x, dim), group).clone(memory_format=torch.contiguous_format)
 
 
 # Fake kernels: shapes only, so tracing with fake or symbolic sizes never communicates.
@@ -164,18 +193,17 @@ def _all_reduce_fake(x: torch.Tensor, group: str) -> torch.Tensor:
 
 
 @all_gather.register_fake
-def _all_gather_fake(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-    """The shape of all_gather: dim multiplied by the world size."""
+def _all_gather_fake(x: torch.Tensor, dim: int, group: str, *, size: Optional[int] = None) -> torch.Tensor:
+    """The shape of all_gather: `size` along dim, else dim multiplied by the world size."""
     d, shape = _dim("all_gather", x, dim), list(x.shape)
-    shape[d] = shape[d] * world_size_of(group)
+    shape[d] = shape[d] * world_size_of(group) if size is None else size
     return x.new_empty(shape)
 
 
 @reduce_scatter.register_fake
 def _reduce_scatter_fake(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-    """The shape of reduce_scatter: dim divided by the world size."""
-    d = _dim("reduce_scatter", x, dim)
-    return x.new_empty(_split_shape("reduce_scatter", x, d, world_size_of(group)))
+    """The shape of reduce_scatter: dim cut to this rank's share."""
+    return x.new_empty(_share_shape(x, _dim("reduce_scatter", x, dim), group))
 
 
 @grad_all_reduce.register_fake
@@ -189,9 +217,10 @@ scatter.register_fake(_reduce_scatter_fake)
 
 
 # Backward rules: the Megatron conjugate of each forward.
-def _save_dim_group(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    """Keep dim and group for backward."""
+def _save_dim_group(ctx: Any, inputs: tuple, output: torch.Tensor, keyword_only_inputs: Any = None) -> None:
+    """Keep dim, group and the input's size along dim (a split's whole size) for backward."""
     ctx.dim, ctx.group = _dim("collective", inputs[0], inputs[1]), inputs[2]
+    ctx.size = inputs[0].shape[ctx.dim]
 
 
 def _save_group(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
@@ -205,19 +234,18 @@ def _all_reduce_bwd(ctx: Any, grad: torch.Tensor) -> tuple:
 
 
 def _all_gather_bwd(ctx: Any, grad: torch.Tensor) -> tuple:
-    """Sum the gradient over ranks and keep this rank's chunk (reduce-scatter)."""
+    """Sum the gradient over ranks and keep this rank's share (reduce-scatter)."""
     return reduce_scatter(grad, ctx.dim, ctx.group), None, None
 
 
 def _reduce_scatter_bwd(ctx: Any, grad: torch.Tensor) -> tuple:
-    """Gather every rank's chunk gradient into the full gradient (all-gather)."""
-    return all_gather(grad, ctx.dim, ctx.group), None, None
+    """Gather every rank's share gradient into the full gradient (all-gather), of the input's size."""
+    return all_gather(grad, ctx.dim, ctx.group, size=ctx.size), None, None
 
 
 def _all_gather_replicated_bwd(ctx: Any, grad: torch.Tensor) -> tuple:
-    """Every rank holds the full gradient already; keep this rank's chunk."""
-    n = grad.shape[ctx.dim] // world_size_of(ctx.group)
-    return grad.narrow(ctx.dim, rank_of(ctx.group) * n, n), None, None
+    """Every rank holds the full gradient already; keep this rank's share."""
+    return _own_share(grad, ctx.dim, ctx.group), None, None
 
 
 def _grad_all_reduce_bwd(ctx: Any, grad: torch.Tensor) -> tuple:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -18,7 +19,8 @@ from tpcompile.passes.rank_module import build_rank_module
 from tpcompile.passes.rewrite_dropout import (emit_dropout, emit_sdpa_with_dropout, is_idle_dropout, is_live_dropout,
                                              sdpa_dropout)
 from tpcompile.passes.rewrite_regions import emit_region, is_region
-from tpcompile.passes.rewrite_slices import gather_tokens, local_slice, reduce_partial, size_node, zero_padding
+from tpcompile.passes.rewrite_slices import (gather_tokens, local_slice, reduce_partial, size_node, token_share,
+                                             zero_padding)
 from tpcompile.passes.rewrite_stats import emit_stats, is_stats
 from tpcompile.passes.rewrite_tables import emit_owned, emit_vocab
 from tpcompile.placement import (REPLICATE, Partial, Replicate, Shard, cut_from_shared, is_seq, local_shape,
@@ -69,6 +71,8 @@ class _Emitter:
         val = (src if src is not None else self.current).meta.get("val")
         if not isinstance(val, torch.Tensor) or isinstance(p, tuple):
             return None
+        if is_seq(p):  # ranks' shares of the tokens may differ by one: the even share, alike on every rank
+            p = replace(p, seq=False)
         return shape_key(local_shape(val.shape, p, self.rank, self.ws))
 
     def converted(self, w: Want) -> Node:
@@ -76,16 +80,13 @@ class _Emitter:
         have, src = self.plan.placement(w.node), self.env[w.node]
         if isinstance(have, Partial) and not isinstance(w.placement, Partial):  # the pending sum, reduced once
             have, src = REPLICATE, self._reduce_pending(w.node, src)
-        if is_seq(have) and isinstance(w.placement, Replicate) and have.outer is not None:  # (B*T, C) tokens
+        if is_seq(have) and isinstance(w.placement, Replicate):
+            # region entry under sequence parallelism: gather the tokens ((B*T, C): on its (B, T, C) view); a split
+            # consumer's gradient is partial, so it is reduce-scattered back (all_gather's backward)
             op = tp.all_gather.default if w.grad_sync else tp.all_gather_replicated.default
             if (op, w.node) not in self.cache:
                 self.cache[(op, w.node)] = gather_tokens(self, src, w.node, have, op)
             return self.cache[(op, w.node)]
-        if is_seq(have) and isinstance(w.placement, Replicate):
-            # region entry under sequence parallelism: gather the tokens; a split consumer's
-            # gradient is partial, so it is reduce-scattered back (all_gather's backward)
-            op = tp.all_gather.default if w.grad_sync else tp.all_gather_replicated.default
-            return self._once((op, w.node), op, src, have.dim, self.plan.group)
         shared = cut_from_shared(have, w.placement)  # its gradient is summed where the shared piece is made
         if shared or isinstance(have, Replicate) and isinstance(w.placement, Shard) and not w.placement.plain:
             key = ("slice", w.node, w.placement)  # segments, pieces, batch x heads: this rank's runs, no communication
@@ -232,6 +233,10 @@ def _emit_output(em: _Emitter, node: Node, gather: bool) -> None:
         p = em.plan.placement(n)
         if isinstance(p, Partial):
             return em._once(("reduce", n), tp.all_reduce.default, em.env[n], em.plan.group)
+        if is_seq(p) and gather:
+            if ("gather", n) not in em.cache:
+                em.cache[("gather", n)] = gather_tokens(em, em.env[n], n, p, tp.all_gather_replicated.default)
+            return em.cache[("gather", n)]
         if isinstance(p, Shard) and gather:
             out = em._once(("gather", n), tp.all_gather_replicated.default, em.env[n], p.dim, em.plan.group)
             if p.padding is not None:  # drop the zero padding past the real size
@@ -284,6 +289,9 @@ def _localize_one(em: _Emitter, node: Node, args: list, kind: str, i: int, pos: 
                 outer = size_node(em, p.outer)
                 per = p.padded // ws
                 sizes[pos] = outer * per if isinstance(outer, int) else em.call(operator.mul, outer, per)
+        elif is_seq(p) and p.outer is None and ws == em.ws and (isinstance(sizes[pos], Node) or sizes[pos] != -1):
+            with em.graph.inserting_before(node):  # this rank's share of the tokens (layouts/token_shares.py)
+                sizes[pos] = token_share(em, sizes[pos])
         elif isinstance(sizes[pos], int) and sizes[pos] != -1:
             local = sum(p.seg_local(ws)) if isinstance(p, Shard) and p.padding else sizes[pos] // ws
             sizes[pos] = local if ws == em.ws else sizes[pos] // ws

@@ -2,7 +2,8 @@
 small collective, combined exactly on every rank (sharding_rules/reductions.py chooses them).
 
 - sum / mean: the op on the local slice, all-reduced (a mean divided by the world size: equal slices; over a
-  zero-padded split, scaled by the local size over the real one).
+  zero-padded split, scaled by the local size over the real one; over tokens whose shares may differ, the sums
+  summed and divided by the count).
 - max / min / log-sum-exp / vector norm: the op on the local slice, every rank's result gathered
   (`all_gather_replicated`, a new leading dim) and reduced again over the ranks.
 - var / std: each rank's mean and sum of squared deviations, gathered and merged (Chan et al.).
@@ -15,11 +16,13 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import sympy
 import torch
 from torch.fx import Node
 
-from tpcompile.passes.rewrite_slices import zero_padding
-from tpcompile.placement import local_shape, shape_key
+from tpcompile.passes.rewrite_slices import size_node, zero_padding
+from tpcompile.placement import is_seq, local_shape, shape_key
+from tpcompile.sharding_rules.rule_context import to_size
 from tpcompile.sharding_rules.reductions import keepdim
 
 aten = torch.ops.aten
@@ -79,6 +82,15 @@ def _reduce(o: _Ops, node: Node, lookup: Lookup) -> Node:
 
         def lookup(n: Node) -> Node:
             return zeroed if n is o.x else inner(n)
+    if combine == "mean" and is_seq(o.p) and not _even_tokens(o):
+        return _token_mean(o, node, lookup)
+    if combine in ("max", "min") and is_seq(o.p) and not _even_tokens(o):  # a rank may hold no token: one more
+        fill = _never_wins(o.x.meta["val"].dtype, combine)  # entry that never wins makes its slice non-empty
+        pad = [0, 0] * (o.x.meta["val"].dim() - 1 - o.p.dim) + [0, 1]
+        padded, inner = o.call(aten.constant_pad_nd.default, lookup(o.x), pad, fill), lookup
+
+        def lookup(n: Node) -> Node:
+            return padded if n is o.x else inner(n)
     local = o.em.copy(node, lookup)  # the op itself on this rank's slice
     local.meta.pop("val", None)
     if combine in ("sum", "mean"):
@@ -96,6 +108,35 @@ def _reduce(o: _Ops, node: Node, lookup: Lookup) -> Node:
         return o.call(aten.logsumexp.default, ranks, [0])
     order = node.args[1] if len(node.args) > 1 else node.kwargs.get("ord", 2)
     return o.call(aten.linalg_vector_norm.default, ranks, order, [0])  # the norm of the ranks' norms
+
+
+def _even_tokens(o: _Ops) -> bool:
+    """True for a token split of a fixed length the world size divides: equal shares."""
+    size = o.x.meta["val"].shape[o.p.dim]
+    return isinstance(size, int) and o.p.outer is None and size % o.ws == 0
+
+
+def _token_mean(o: _Ops, node: Node, lookup: Lookup) -> Node:
+    """A mean over tokens whose ranks' shares may differ by one (layouts/token_shares.py): the ranks' sums, summed,
+    over the count of the entries reduced (a run-time size of the model's inputs)."""
+    x, val, nd = lookup(o.x), o.x.meta["val"], o.x.meta["val"].dim()
+    given = node.args[1] if node.target is not aten.mean.default and len(node.args) > 1 else None
+    dims = list(range(nd)) if given is None or given == [] else [d % nd for d in _listed(given)]
+    dtype = {"dtype": node.kwargs["dtype"]} if node.kwargs.get("dtype") is not None else {}
+    local = o.call(aten.sum.dim_IntList, x, dims, keepdim(node, o.em.plan.rule(node)), **dtype)
+    count = size_node(o.em, sympy.Mul(*[sympy.sympify(to_size(val.shape[d])) for d in dims]))
+    return o.call(aten.div.Tensor, o.call(tp.all_reduce.default, local, o.group), count)
+
+
+def _never_wins(dtype: torch.dtype, combine: str) -> float:
+    """The value a max (min) of `dtype` values never takes over a real one."""
+    info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+    low, high = (-float("inf"), float("inf")) if dtype.is_floating_point else (info.min, info.max)
+    return low if combine == "max" else high
+
+
+def _listed(dims: Any) -> list:
+    return list(dims) if isinstance(dims, (list, tuple)) else [dims]
 
 
 def _correction(node: Node) -> float:

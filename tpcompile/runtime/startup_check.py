@@ -13,6 +13,7 @@ from torch.fx import GraphModule, Interpreter
 
 from tpcompile.errors import TPCompileError
 from tpcompile.ops.schedule import CollectiveCall, collective_name, graph_schedule
+from tpcompile.runtime.backends import world_size_of
 
 __all__ = ["check_schedules", "digest", "first_difference", "schedule"]
 
@@ -50,6 +51,9 @@ class _Recorder(Interpreter):
                 dtype = ",".join(sorted({str(t.dtype) for t in x}))
             else:
                 shape, dtype = tuple(str(d) for d in x.shape), str(x.dtype)
+            if kwargs.get("size") is not None:  # a gather of shares that differ by one: the even share on every rank
+                d = args[1] % x.dim()
+                shape = shape[:d] + (str(kwargs["size"] // world_size_of(args[2])),) + shape[d + 1:]
             self.entries.append(CollectiveCall(op, shape, dtype, self._named(args[1:])))
         if target in _SYMBOLIC:  # its kernel reads concrete sizes, which would fix the symbolic ones (a padded block)
             return _SYMBOLIC[target](*args, **kwargs)

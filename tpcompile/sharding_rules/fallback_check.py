@@ -32,7 +32,7 @@ def _example(shape: Sequence[int], dtype: torch.dtype, gen: torch.Generator, dev
 def positions(p: Shard, size: int, rank: int, ws: int, outer: int = 1) -> list[int]:
     """The indices along p.dim that `rank` holds of a dim of `size` split as `p` (`outer`: p.outer's value)."""
     block = size // outer  # in pieces: the one of the ranks sharing it, in every repetition
-    runs = dim_layout(p, block, ws).blocks(rank) if p.pieces else segment_ranges(block, p.segments, rank, ws)
+    runs = dim_layout(p, block, ws).blocks(rank) if p.pieces or p.seq else segment_ranges(block, p.segments, rank, ws)
     return [b * block + i for b in range(outer) for start, stop in runs for i in range(start, stop)]
 
 
@@ -40,7 +40,7 @@ def _part(t: Any, p: Placement, rank: int, ws: int, outer: Callable[[Any], int])
     """Rank `rank`'s part of a whole value placed as `p`."""
     if not isinstance(t, torch.Tensor) or not isinstance(p, Shard):
         return t
-    if p.plain:
+    if p.plain and not p.seq:
         size = t.shape[p.dim] // ws
         return t.narrow(p.dim, rank * size, size)
     index = torch.tensor(positions(p, t.shape[p.dim], rank, ws, outer(p.outer) if p.outer is not None else 1))

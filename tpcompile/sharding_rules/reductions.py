@@ -175,12 +175,13 @@ def _cannot(node: Node, spec: RuleSpec, ctx: RuleContext, p: Shard, dims: list[i
         return f"the split {p} holds shared or padded parts"
     if combine in ("var", "std") and (dims != [p.dim] or not isinstance(ctx.shape(node.args[0])[p.dim], int)):
         return "a variance from partial statistics is combined over the split dim alone"
+    if combine in ("var", "std") and p.seq and ctx.shape(node.args[0])[p.dim] % ctx.world_size:
+        return (f"a variance over {ctx.shape(node.args[0])[p.dim]} tokens, which the {ctx.world_size} ranks hold in "
+                f"shares of different sizes, is not merged from partial statistics")
     if combine == "norm":
         order = node.args[1] if len(node.args) > 1 else node.kwargs.get("ord", 2)
         if order == 0:
             return "a 0-norm counts entries; the counts of the slices are not its norm"
-    if combine in ("mean", "var", "std") and p.seq and p.dim == 1:
-        return None  # tokens split evenly (checked at run time)
     return None
 
 

@@ -245,13 +245,13 @@ def flat_tokens(node: Node, shape: Sequence[Size]) -> Optional[Size]:
 def not_token_split(shape: Sequence[Size], world_size: int) -> Optional[str]:
     """Why a row split's sum of this shape cannot land split by tokens on dim 1, or None when it can.
 
-    A token count fixed by the model (a vision transformer's patches) must be a multiple of the world
-    size; a dynamic one is checked at run time.
+    Any count of tokens splits, fixed by the model (a vision transformer's patches) or not: the first
+    T % world_size ranks hold one token more (layouts/token_shares.py). One token is not split.
     """
     if len(shape) < 3:
         return f"its sum {tuple(shape)} has no dim of tokens (nor a model input's batch x tokens flattened)"
-    if isinstance(shape[1], int) and (shape[1] < 2 or shape[1] % world_size):
-        return f"its {shape[1]} tokens (fixed by the model) are not a multiple of world size {world_size}: all-reduced"
+    if isinstance(shape[1], int) and shape[1] < 2:
+        return f"its {shape[1]} token (fixed by the model) is not split: all-reduced"
     return None
 
 

@@ -73,7 +73,7 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int, train
                 if pp > 1 and m < pp:
                     continue  # 1F1B needs at least one microbatch per stage in flight
                 for rc in ((False, True) if training and layers else (False,)):
-                    seq_ok = tp > 1 and profile.seq_len > 1 and profile.seq_len % tp == 0
+                    seq_ok = tp > 1 and profile.seq_len > 1  # any length: shares differ by a token at most
                     for sp in ((False, True) if seq_ok else (False,)):
                         for kind in (("ddp", "fsdp") if training and dp > 1 else ("ddp",)):
                             yield Layout(tp, dp, pp, m, rc, sp, kind)

@@ -1,0 +1,205 @@
+"""Sequence parallelism at any length: tokens split in shares that differ by one (layouts/token_shares.py).
+
+The first T % ws ranks hold one token more; a rank may hold none (T < ws). The collectives pad each share to
+the largest and drop the padding, the gathers are given T, and reductions over tokens combine the shares
+exactly (a mean by the count, a max over ranks without a token).
+"""
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from torch import nn
+from torch.export import Dim
+
+from test_sequence_parallel import _train
+
+import tpcompile
+from tpcompile.layouts import token_shares
+from tpcompile.models import build
+from tpcompile.runtime import launch
+from tpcompile.runtime.startup_check import schedule
+
+LENGTHS = (16, 10, 7, 2)  # at 3 ranks: 6|5|5, 4|3|3, 3|2|2, 1|1|0
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5, 8])
+def test_shares_are_tensor_splits(world_size: int) -> None:
+    """Every rank's share and start are torch.tensor_split's; the shares tile the length, within one token."""
+    for total in range(0, 30):
+        parts = torch.tensor_split(torch.arange(total), world_size)
+        assert token_shares.shares(total, world_size) == [len(p) for p in parts]
+        starts = [token_shares.start(total, r, world_size) for r in range(world_size)]
+        assert starts == [sum(len(p) for p in parts[:r]) for r in range(world_size)]
+        assert token_shares.slot(total, world_size) == max(len(p) for p in parts)
+
+
+@pytest.mark.parametrize("name,world_size", [("gpt", 3), ("gpt-manual", 3), ("gpt-sep", 5), ("gpt", 8)])
+def test_any_length_equals_original(name: str, world_size: int) -> None:
+    """The bundled GPTs with sequence parallelism at 3, 5 and 8 ranks give the original's logits at lengths the
+    world size does not divide, and shorter than it (ranks without a token)."""
+    model = build(name)
+    sm = tpcompile.shard(model, world_size, sequence_parallel=True)
+    for t in LENGTHS:
+        idx = torch.randint(0, 256, (2, t), generator=torch.Generator().manual_seed(t))
+        with torch.no_grad():
+            ref = model(idx)
+            for out in tpcompile.simulate(sm, idx):
+                torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def test_training_at_uneven_lengths_equals_original() -> None:
+    """Four AdamW steps at 3 ranks on lengths 10 and 7: each rank's losses equal the original's, and the
+    replicated parameters' gradients (summed over token shares of 4|3|3) are the original's."""
+    model = build("gpt").train()
+    ref_model = copy.deepcopy(model)
+    sm = tpcompile.shard(model, 3, sequence_parallel=True)
+    ranks = [sm.rank(r) for r in range(3)]
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 256, (2, 10), generator=gen), torch.randint(0, 256, (3, 7), generator=gen)]
+    ref_losses, ref_grads = _train(ref_model, batches, 4)
+    for losses, grads in tpcompile.simulate_ranks(3, lambda r: _train(ranks[r], batches, 4)):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        for name in ("transformer.ln_f.weight", "transformer.h.0.ln_1.bias", "transformer.h.1.mlp.c_proj.bias"):
+            torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6)
+
+
+class _Pooled(nn.Module):
+    """Token embeddings, an MLP block, and a reduction over the tokens before a classifier head."""
+
+    def __init__(self, pool: str) -> None:
+        super().__init__()
+        self.pool = pool
+        self.emb, self.ln, self.ln2 = nn.Embedding(64, 32), nn.LayerNorm(32), nn.LayerNorm(32)
+        self.up, self.down, self.head = nn.Linear(32, 96), nn.Linear(96, 32), nn.Linear(32, 8)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        h = self.ln2(h + self.down(torch.relu(self.up(self.ln(h)))))
+        pooled = {"mean": lambda: h.mean(1), "max": lambda: h.amax(1), "min": lambda: h.amin(1),
+                  "sum": lambda: h.sum(1), "logsumexp": lambda: h.logsumexp(1)}[self.pool]()
+        return self.head(pooled)
+
+
+@pytest.mark.parametrize("pool", ["mean", "max", "min", "sum", "logsumexp"])
+def test_reductions_over_token_shares(pool: str) -> None:
+    """A pool over the tokens at 4 ranks, lengths 10 (3|3|2|2) and 2 (two ranks without a token): the output and
+    the replicated parameters' gradients equal the original's (a mean divides the summed shares by the length; a
+    max or min of a rank without a token never wins)."""
+    torch.manual_seed(0)
+    model = _Pooled(pool)
+    example = torch.randint(0, 64, (2, 12))
+    sm = tpcompile.shard(model, 4, example_inputs=(example,), dynamic_shapes=({0: Dim("b"), 1: Dim("t")},),
+                         sequence_parallel=True)
+    assert ("reduce_scatter", "emb") in sm.collectives()  # the tokens are split
+    for t in (10, 2):
+        idx = torch.randint(0, 64, (3, t), generator=torch.Generator().manual_seed(t))
+        model.zero_grad()
+        ref = model(idx)
+        ref.square().sum().backward()
+
+        def run(rank: int) -> tuple:
+            gm = sm.rank(rank)
+            gm.zero_grad()
+            out = gm(idx)
+            out.square().sum().backward()
+            return out.detach(), {n: p.grad for n, p in gm.named_parameters()}
+
+        for out, grads in tpcompile.simulate_ranks(4, run):
+            torch.testing.assert_close(out, ref.detach(), atol=1e-5, rtol=1e-5)
+            for name in ("ln2.weight", "ln.bias", "down.bias"):
+                torch.testing.assert_close(grads[name], dict(model.named_parameters())[name].grad,
+                                           atol=1e-5, rtol=1e-4)
+
+
+class _Spread(nn.Module):
+    """A fixed count of 10 tokens (a learned table), an MLP block, and the variance over the tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Parameter(torch.randn(10, 16))
+        self.ln, self.up, self.down = nn.LayerNorm(16), nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x[:, None, :] + self.tokens
+        h = self.ln(h + self.down(torch.relu(self.up(h))))
+        return h.var(1)
+
+
+def test_variance_over_uneven_shares_is_gathered() -> None:
+    """A variance over 10 fixed tokens is merged from partial statistics at 2 ranks (5|5); at 4 (3|3|2|2) the
+    tokens are gathered first instead. Both equal the original."""
+    torch.manual_seed(0)
+    model = _Spread()
+    x = torch.randn(3, 16)
+    for ws, merged in ((2, True), (4, False)):
+        sm = tpcompile.shard(model, ws, example_inputs=(torch.randn(2, 16),), sequence_parallel=True)
+        assert bool(sm.plan.statistics) == merged
+        assert [op for op, _ in sm.collectives()] == ["reduce_scatter", "all_gather_replicated"]
+        with torch.no_grad():
+            for out in tpcompile.simulate(sm, x):
+                torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_schedules_agree_across_ranks_whose_shares_differ() -> None:
+    """Each simulated rank's collective schedule, traced on symbolic sizes where the ranks' shares differ (rank 0
+    holds ceil(T / 3) tokens, rank 2 floor), is the same on every rank: a gather is recorded by its even share."""
+    sm = tpcompile.shard(build("gpt"), 3, sequence_parallel=True)
+    fake = [n.meta["val"] for n in sm.captured.graph.nodes if n.op == "placeholder"]
+    one_at_a_time = threading.Lock()  # the fake tensors' shape environment is shared; fake ops never communicate
+
+    def traced(rank: int) -> list:
+        with one_at_a_time:
+            return schedule(sm.rank(rank), fake)
+    schedules = tpcompile.simulate_ranks(3, traced)
+    assert schedules[0] == schedules[1] == schedules[2]
+    gathers = [e for e in schedules[0] if e.op == "all_gather"]
+    assert gathers and all(e.shape[1] == "(d1//3)" for e in gathers), gathers
+
+
+def _parallelized(rank: int) -> dict:
+    """On one of 3 gloo processes: the bundled GPT (4 heads: 2|2|0) parallelized with and without sequence
+    parallelism (the startup agreement compares the ranks' schedules), run on lengths 10 and 7; and its rank graph
+    with the collectives lowered to torch.ops._c10d_functional (torch.compile's spelling), forward and backward."""
+    torch.manual_seed(0)
+    model = build("gpt")
+    out = {}
+    for sp in (False, True):
+        gm = tpcompile.parallelize(model, example_inputs=model.example_inputs(), sequence_parallel=sp)
+        for t in (10, 7):
+            idx = torch.randint(0, 256, (2, t), generator=torch.Generator().manual_seed(t))
+            with torch.no_grad():
+                out[(sp, t)] = float((gm(idx) - model(idx)).abs().max())
+    lowered = tpcompile.shard(model, 3, sequence_parallel=True, comm=tpcompile.CommOptions(lower_c10d=True))
+    gm, idx = lowered.rank(rank), torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(1))
+    got, want = gm(idx), model(idx)
+    got.square().mean().backward()
+    want.square().mean().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    out["lowered"] = max([float((got - want).abs().max())] + [
+        float((p.grad - grads[n]).abs().max()) for n, p in gm.named_parameters() if "ln" in n])
+    return out
+
+
+@pytest.mark.gloo
+def test_parallelize_on_three_processes_at_any_length() -> None:
+    """tpcompile.parallelize on 3 gloo processes: the ranks agree on their schedules (a zero-padded head block
+    traced symbolically) and give the original's logits, with tokens in shares of 4|3|3 and 3|2|2; the lowered
+    collectives give the original's logits and norm gradients too."""
+    for rank, diffs in enumerate(launch(3, _parallelized, timeout=240)):
+        assert set(diffs) == {(sp, t) for sp in (False, True) for t in (10, 7)} | {"lowered"}
+        assert max(diffs.values()) < 1e-5, (rank, diffs)
+
+
+@pytest.mark.gloo
+def test_training_under_torchrun_at_an_uneven_length() -> None:
+    """examples/train_hybrid.py at tp 3 with sequence parallelism under torchrun (3 gloo processes), 10 tokens a
+    sequence (4|3|3): the single process's losses, step after step."""
+    from hybrid_matrix import TOLERANCE, run_example, worst_relative
+
+    args = ["--inputs", "4x10:long", "--steps", "3", "--json"]
+    out = run_example(["--tp", "3", "--sequence-parallel", *args], nproc=3)
+    ref = run_example(args)
+    assert worst_relative(out["losses"], ref["losses"]) < TOLERANCE, (out["losses"], ref["losses"])

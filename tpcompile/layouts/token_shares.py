@@ -1,0 +1,32 @@
+"""Tokens split over the ranks (sequence parallelism): rank r holds one contiguous run of a sequence's T tokens,
+the first T % world_size ranks one token more than the others (torch.tensor_split's shares), so any length
+splits, balanced to within one token. T is known only at run time; these are the sizes every part of a token
+split agrees on: the rewrite's local sizes, the collectives' chunks, the dropout masks' positions.
+
+`share` is one closed form, so it holds for ints, torch.SymInts and sympy sizes alike; `start` and `slot` are
+for the run-time ints.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+def share(total: Any, rank: int, world_size: int) -> Any:
+    """How many of `total` tokens `rank` holds: ceil((total - rank) / world_size)."""
+    return (total + (world_size - 1 - rank)) // world_size
+
+
+def start(total: int, rank: int, world_size: int) -> int:
+    """The index of the first token `rank` holds."""
+    q, k = divmod(total, world_size)
+    return rank * q + min(rank, k)
+
+
+def slot(total: int, world_size: int) -> int:
+    """The most tokens any rank holds (rank 0's share): what each rank sends when shares are padded to one size."""
+    return -(-total // world_size)
+
+
+def shares(total: int, world_size: int) -> list[int]:
+    """Every rank's share, in rank order."""
+    return [share(total, r, world_size) for r in range(world_size)]
