@@ -14,11 +14,14 @@ import torch
 from torch import nn
 from torch.export import Dim
 
+import hf_models
 from test_sequence_parallel import _train
+from test_sequence_parallel_flat import _grads
 
 import tpcompile
 from tpcompile.layouts import token_shares
 from tpcompile.models import build
+from tpcompile.passes.rank_module import local_tensor
 from tpcompile.runtime import launch
 from tpcompile.runtime.startup_check import schedule
 
@@ -64,6 +67,29 @@ def test_training_at_uneven_lengths_equals_original() -> None:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         for name in ("transformer.ln_f.weight", "transformer.h.0.ln_1.bias", "transformer.h.1.mlp.c_proj.bias"):
             torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "opt", "deepseek_v3"])
+def test_flattened_tokens_at_any_length(name: str) -> None:
+    """Tokens flattened with the batch ((B*T, C): GPT-2's Conv1D, OPT's MLP) and a router's top-2 choices flattened
+    with them (DeepSeek-V3: 2 entries a token) at 3 ranks, lengths 10, 7 and 2: the logits and every rank's
+    gradients equal the original's."""
+    arch = next(a for a in hf_models.ARCHS + hf_models.NEW_ARCHS if a.name == name)
+    model = hf_models.build(arch)
+    sm = tpcompile.shard(model, 3, example_kwargs=hf_models.inputs(arch, 2, 8), sequence_parallel=True)
+    for b, t in ((3, 10), (2, 7), (1, 2)):
+        kwargs = hf_models.inputs(arch, b, t)
+        with torch.no_grad():
+            ref = model(**kwargs).logits
+            for out in tpcompile.simulate(sm, **kwargs):
+                torch.testing.assert_close(out.logits, ref, atol=2e-5, rtol=1e-5)
+    kwargs = hf_models.inputs(arch, 2, 7)
+    want = _grads(copy.deepcopy(model), kwargs, "logits")
+    ranks = [sm.rank(r) for r in range(3)]
+    for r, got in enumerate(tpcompile.simulate_ranks(3, lambda r: _grads(ranks[r], kwargs, "logits"))):
+        for n, g in got.items():
+            torch.testing.assert_close(g, local_tensor(want[n], sm.plan.parameters[n].slice(), r, 3),
+                                       atol=1e-6, rtol=1e-4, msg=n)
 
 
 class _Pooled(nn.Module):

@@ -302,9 +302,9 @@ def local_shape(shape: Sequence[Any], p: Any, rank: int, world_size: int) -> tup
             out[p.dim + 1] = -(-nxt // p.split_next) if isinstance(nxt, int) else nxt // p.split_next
     elif p.segments and isinstance(size, int):
         out[p.dim] = dim_layout(p, size, world_size).local_size(rank)
-    elif p.seq:  # this rank's share of every sequence's tokens (`outer` sequences flattened with them)
-        per = size if p.outer is None else sympy.simplify(sympy.sympify(size) / sympy.sympify(p.outer))
-        out[p.dim] = token_shares.share(per, rank, world_size) * (1 if p.outer is None else p.outer)
+    elif p.seq:  # this rank's share of every sequence's tokens (`outer` sequences flattened with them), k entries each
+        tokens, k = token_shares.tokens_of(size if p.outer is None else sympy.simplify(sympy.sympify(size) / p.outer))
+        out[p.dim] = token_shares.share(tokens, rank, world_size) * k * (1 if p.outer is None else p.outer)
     else:
         out[p.dim] = size // world_size
     return tuple(out)

@@ -20,10 +20,10 @@ __all__ = ["CHUNK", "EVEN", "MERGED", "RUNS", "keep_mask", "mix", "signed"]
 
 # kinds of a split dim in the `split` list: [dim, kind, *fields] per split dim
 RUNS = 0  # [dim, RUNS, stride, n, a1, b1, ..., an, bn]: runs [a, b) of every block of `stride` global positions
-EVEN = 1  # [dim, EVEN, rank, world, reps, total]: tokens (sequence parallelism) in `reps` blocks of `total`, split
-# in layouts/token_shares.py's shares (total 0: not known, an even split)
+EVEN = 1  # [dim, EVEN, rank, world, reps, total, inner]: tokens (sequence parallelism) in `reps` blocks of `total`
+# tokens of `inner` entries, split in layouts/token_shares.py's shares (total 0: not known, an even split)
 MERGED = 2  # [dim, MERGED, start, next_size]: dims dim, dim+1 hold one contiguous run of their merged positions
-_FIELDS = {EVEN: 4, MERGED: 2}
+_FIELDS = {EVEN: 5, MERGED: 2}
 
 CHUNK = 1 << 16  # elements per chunk of the hash on one CPU thread (docs/architecture.md has the measurement)
 _M64 = (1 << 64) - 1
@@ -98,11 +98,11 @@ def _global_index(shape: list[int], d: int, split: dict, rows_of: list[int], bat
         reps = n // within.numel()
         return _blocks(reps, stride, within, first(reps), device)
     if kind == EVEN:
-        rank, world, reps, total = f
+        rank, world, reps, total, inner = f
         local = n // reps
-        total = total or local * world
-        at = token_shares.start(total, rank, world)
-        return _blocks(reps, total, _arange(at, at + local, device), first(reps), device)
+        at, stride = (token_shares.start(total, rank, world) * inner, total * inner) if total else \
+            (rank * local, local * world)
+        return _blocks(reps, stride, _arange(at, at + local, device), first(reps), device)
     start, _ = f  # MERGED
     return _arange(start, start + n * shape[d + 1], device)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import replace
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 from torch import fx
@@ -19,8 +19,9 @@ from tpcompile.passes.rank_module import build_rank_module
 from tpcompile.passes.rewrite_dropout import (emit_dropout, emit_sdpa_with_dropout, is_idle_dropout, is_live_dropout,
                                              sdpa_dropout)
 from tpcompile.passes.rewrite_regions import emit_region, is_region
-from tpcompile.passes.rewrite_slices import (gather_tokens, local_slice, reduce_partial, size_node, token_share,
-                                             zero_padding)
+from tpcompile.passes.rewrite_shapes import localize
+from tpcompile.passes.rewrite_slices import local_slice, zero_padding
+from tpcompile.passes.rewrite_tokens import gather_tokens, reduce_partial, scatter_tokens
 from tpcompile.passes.rewrite_stats import emit_stats, is_stats
 from tpcompile.passes.rewrite_tables import emit_owned, emit_vocab
 from tpcompile.placement import (REPLICATE, Partial, Replicate, Shard, cut_from_shared, is_seq, local_shape,
@@ -94,6 +95,11 @@ class _Emitter:
                 self.cache[key] = local_slice(self, src, w.node, w.placement, sync=not shared,
                                               piece=have if shared and have.pieces > 1 else None)
             return self.cache[key]
+        if isinstance(have, Replicate) and is_seq(w.placement):  # this rank's tokens
+            key = ("scatter", w.node, w.placement.dim)
+            if key not in self.cache:
+                self.cache[key] = scatter_tokens(self, src, w.node, w.placement)
+            return self.cache[key]
         if isinstance(have, Replicate) and isinstance(w.placement, Shard):
             return self._once(("scatter", w.node, w.placement.dim), tp.scatter.default,
                               src, w.placement.dim, self.plan.group)
@@ -152,7 +158,7 @@ def _emit_copy(em: "_Emitter", node: Node, lookup: Lookup) -> Node:
     new = em.copy(node, lookup)
     layout = em.plan.layout(node)
     if layout.localize:
-        new.args = _localize(em, new, layout.localize, em.plan.placement(node))
+        new.args = localize(em, new, layout.localize, em.plan.placement(node))
     if isinstance(em.plan.placement(node), (Shard, tuple)):
         new.meta.pop("val", None)
         new.meta.pop("tensor_meta", None)
@@ -269,45 +275,6 @@ def _emit_row(em: _Emitter, node: Node, lookup: Callable[[Node], Node]) -> Node:
     if conv:  # (C,) added to (B, C, *spatial)
         b = em.call(aten.view.default, b, [-1] + [1] * (out.dim() - 2))
     return em.call(aten.add.Tensor, y, b)
-
-
-def _localize(em: _Emitter, node: Node, locs: Sequence[tuple], p: Any) -> tuple:
-    """Divide each named size (a literal, or a run-time size) of the rank graph's `node`, placed `p`, by the ranks
-    that split it."""
-    args = list(node.args)
-    for kind, i, pos, divisor in locs:
-        args = _localize_one(em, node, args, kind, i, pos, divisor or em.ws, p)
-    return tuple(args)
-
-
-def _localize_one(em: _Emitter, node: Node, args: list, kind: str, i: int, pos: int, ws: int, p: Any) -> list:
-    if kind == "shape":
-        sizes = list(args[i])
-        if isinstance(p, Shard) and p.padded is not None and p.outer is not None and ws == em.ws \
-                and (isinstance(sizes[pos], Node) or sizes[pos] != -1):  # batch x padded heads: outer x local heads
-            with em.graph.inserting_before(node):
-                outer = size_node(em, p.outer)
-                per = p.padded // ws
-                sizes[pos] = outer * per if isinstance(outer, int) else em.call(operator.mul, outer, per)
-        elif is_seq(p) and p.outer is None and ws == em.ws and (isinstance(sizes[pos], Node) or sizes[pos] != -1):
-            with em.graph.inserting_before(node):  # this rank's share of the tokens (layouts/token_shares.py)
-                sizes[pos] = token_share(em, sizes[pos])
-        elif isinstance(sizes[pos], int) and sizes[pos] != -1:
-            local = sum(p.seg_local(ws)) if isinstance(p, Shard) and p.padding else sizes[pos] // ws
-            sizes[pos] = local if ws == em.ws else sizes[pos] // ws
-        elif isinstance(sizes[pos], Node):
-            with em.graph.inserting_before(node):
-                sizes[pos] = em.call(operator.floordiv, sizes[pos], ws)
-        args[i] = sizes
-    elif kind == "split" and node.target is not aten.chunk.default:
-        args[i] = [s // ws for s in args[i]] if isinstance(args[i], (list, tuple)) else args[i] // ws
-    elif kind == "set":  # the rule computed the local value (segments cut into fewer pieces than ranks)
-        args[i] = pos
-    elif kind == "shape_set":
-        sizes, (at, value) = list(args[i]), pos
-        sizes[at] = value
-        args[i] = sizes
-    return args
 
 
 def _stale_metadata_assert(plan: Decisions, node: Node) -> bool:

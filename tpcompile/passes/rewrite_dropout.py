@@ -17,7 +17,8 @@ from torch.fx import Node
 
 import tpcompile.ops.rng as rng
 from tpcompile.layouts import dim_layout
-from tpcompile.passes.rewrite_slices import size_node, token_total
+from tpcompile.passes.rewrite_sizes import size_node
+from tpcompile.passes.rewrite_tokens import token_total
 from tpcompile.placement import REPLICATE, Shard, segment_ranges
 from tpcompile.sharding_rules.rule_context import to_size
 
@@ -66,8 +67,9 @@ def split_spec(em: Any, placement: Any, shape: Sequence[Any]) -> list:
     block = sympy.simplify(size / sympy.sympify(placement.outer)) if placement.outer is not None else size
     if placement.seq or not block.is_number:  # tokens (a run-time size) in their shares, in `outer` blocks
         reps = 1 if placement.outer is None else size_node(em, placement.outer)
-        total = token_total(em, shape[d], placement) if placement.seq else None
-        return [d, rng.EVEN, rank, ws, reps, 0 if total is None else total]
+        found = token_total(em, shape[d], placement) if placement.seq else None
+        total, inner = (0, 1) if found is None else found
+        return [d, rng.EVEN, rank, ws, reps, total, inner]
     block = int(block)
     if placement.pieces:  # one of `pieces` pieces, shared by ws / pieces ranks
         n = block // placement.pieces

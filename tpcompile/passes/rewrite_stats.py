@@ -20,7 +20,8 @@ import sympy
 import torch
 from torch.fx import Node
 
-from tpcompile.passes.rewrite_slices import size_node, zero_padding
+from tpcompile.passes.rewrite_sizes import size_node
+from tpcompile.passes.rewrite_slices import zero_padding
 from tpcompile.placement import is_seq, local_shape, shape_key
 from tpcompile.sharding_rules.rule_context import to_size
 from tpcompile.sharding_rules.reductions import keepdim

@@ -10,7 +10,7 @@ from torch.fx import Node
 
 from tpcompile.ops.guards import check_token_ids
 from tpcompile.passes.pass_context import describe
-from tpcompile.passes.rewrite_slices import reduce_partial
+from tpcompile.passes.rewrite_tokens import reduce_partial
 from tpcompile.placement import Partial
 
 aten = torch.ops.aten
