@@ -229,3 +229,15 @@ def test_training_under_torchrun_at_an_uneven_length() -> None:
     out = run_example(["--tp", "3", "--sequence-parallel", *args], nproc=3)
     ref = run_example(args)
     assert worst_relative(out["losses"], ref["losses"]) < TOLERANCE, (out["losses"], ref["losses"])
+
+
+def test_the_lengths_table_renders_a_run() -> None:
+    """bench/sp_lengths.py on one architecture at 3 ranks: every length equal, the row rendered with the shares."""
+    from bench.sp_lengths import render, run_one
+
+    arch = next(a for a in hf_models.ARCHS if a.name == "llama")
+    row = {"arch": "llama", "ws": 3, **run_one(arch, 3)}
+    assert max(row["diffs"]) < 1e-4 and row["split"] == row["sums"] > 0
+    text = render([row, {"arch": "llama", "ws": 5, "error": "RuntimeError: x"}], 1.0)
+    assert "3 ranks: 3|2|2, 1|1|0, 3|3|3" in text and "1 of 2 rows are equal" in text
+    assert "- llama at 5: `RuntimeError: x`" in text

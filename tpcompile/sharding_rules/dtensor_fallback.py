@@ -225,7 +225,7 @@ def _outer_value(node: Node) -> Any:
 
 
 def _splits_evenly(node: Node, out: Any, ws: int) -> bool:
-    """Every split output dim is a multiple of the world size (a token dim is checked at run time)."""
+    """Every split output dim is a multiple of the world size (a run-time count of tokens splits in shares)."""
     vals = node.meta.get("val")
     vals = vals if isinstance(vals, (tuple, list)) else [vals]
     for p, v in zip(out if isinstance(out, tuple) else [out], vals):

@@ -140,7 +140,7 @@ def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: i
                 why = (f"reshape splits a sharded dim of size {ins[p.dim]} into ({'x'.join(map(str, outs_g))}); "
                        f"{size} is not divisible by world size {ws}")
                 continue
-            # tokens (seq) are split at run time, where their count must be a multiple of the world size
+            # tokens (seq) are split at run time, in shares of any count (layouts/token_shares.py)
             if isinstance(m, int) and m > 1 and p.pieces is None and not p.seq:  # m known repetitions: segments
                 return shard(gj[u], list(one) * m), ""
             return replace(shard(gj[u], one), outer=None if m == 1 else m, pieces=p.pieces, seq=p.seq), ""
