@@ -12,6 +12,7 @@ from dist_run import results
 import tpcompile
 from tpcompile.models import GPT, GPTConfig
 from tpcompile.ops import collectives as C
+from tpcompile.ops.schedule import CollectiveCall
 from tpcompile.runtime.startup_check import digest, first_difference, schedule
 
 
@@ -133,3 +134,44 @@ def test_padded_heads_keep_the_schedule_symbolic(sequence_parallel: bool, caplog
     assert "fake-tensor tracing failed" not in caplog.text
     assert first_difference(schedules) is None
     assert all(e.shape[:2] == ("d0", "d1") for e in schedules[2] if e.op == "all_reduce"), schedules[2]
+
+
+def test_a_share_of_one_example_token_keeps_the_schedule_symbolic() -> None:
+    """GPT-2 (tokens flattened with the batch) with sequence parallelism at 5 ranks on an 8-token example: ranks 3
+    and 4 hold 1 token of it, which the trace takes as a size (>= 2), not as the fixed 1 that would make their
+    schedules differ from the others' (`all_gather((d0, (d1//5), (64//(((d1 + 1)//5)))))` on rank 3)."""
+    import hf_models
+
+    arch = next(a for a in hf_models.ARCHS if a.name == "gpt2")
+    one_at_a_time = threading.Lock()
+
+    def traced(rank: int) -> list:
+        with one_at_a_time:
+            sm = tpcompile.shard(hf_models.build(arch), 5, example_kwargs=hf_models.inputs(arch, 2, 8),
+                                 sequence_parallel=True)
+            fake = [n.meta["val"] for n in sm.captured.graph.nodes if n.op == "placeholder"]
+            return schedule(sm.rank(rank), fake)
+
+    schedules = tpcompile.simulate_ranks(5, traced)
+    assert first_difference(schedules) is None
+    assert schedules[3] == schedules[0] and ("?",) not in {e.shape for e in schedules[3]}
+
+
+def test_a_rank_traced_without_shapes_matches_on_op_and_arguments(caplog: pytest.LogCaptureFixture) -> None:
+    """A trace that fixes an input size at the example's (here `int()` of the length) gives that rank's schedule
+    without shapes, which matches another rank's on op and arguments alone; ops or arguments still differ."""
+    sm = tpcompile.shard(GPT(GPTConfig(n_layer=1)), 2)
+    fake = [n.meta["val"] for n in sm.captured.graph.nodes if n.op == "placeholder"]
+    g = torch.fx.Graph()
+    x = g.placeholder("idx")
+    length = g.call_function(int, (g.call_function(torch.ops.aten.sym_size.int, (x, 1)),))
+    part = g.call_function(torch.ops.aten.narrow.default, (x, 1, 0, length))
+    g.output(g.call_function(torch.ops.tpcompile.all_reduce.default, (part, "fp")))
+    with caplog.at_level("INFO", logger="tpcompile"):
+        fixed = schedule(torch.fx.GraphModule(torch.nn.Module(), g), fake)
+    assert fixed == [CollectiveCall("all_reduce", ("?",), "?", ("group",))]
+    assert "tracing fixed a symbolic size" in caplog.text
+    shaped = CollectiveCall("all_reduce", ("d0", "d1"), "torch.int64", ("group",))
+    assert first_difference([[shaped], fixed]) is None
+    assert first_difference([[shaped._replace(op="all_gather")], fixed]) is not None
+    assert first_difference([[shaped], [shaped._replace(shape=("d0", "8"))]]) is not None

@@ -9,6 +9,7 @@ from typing import Any, Optional
 import torch
 import torch._refs
 import torch.distributed as dist
+import torch.fx.experimental._config as fx_config
 from torch.fx import GraphModule, Interpreter
 
 from tpcompile.errors import TPCompileError
@@ -72,8 +73,12 @@ def schedule(gm: GraphModule, fake_inputs: list, *, group_name: str = "group") -
     rec = _Recorder(gm, group_name)
     saved = mode.allow_non_fake_inputs
     mode.allow_non_fake_inputs = True  # the rank's own (real or meta) parameters
+    symbols = {s for v in fake_inputs if isinstance(v, torch.Tensor) for d in v.shape
+               if isinstance(d, torch.SymInt) for s in d.node.expr.free_symbols}
+    fixed = _fixed_sizes(mode, symbols)
     try:
-        with mode, torch.no_grad():
+        # sizes taken as >= 2 (size-oblivious): a rank's share of a few example tokens (0 or 1) stays symbolic
+        with mode, torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
             rec.run(*fake_inputs)
     except Exception as e:  # noqa: BLE001  a graph fake tensors cannot run still gets a check
         log.warning("collective schedule without shapes: fake-tensor tracing failed (%s: %s)",
@@ -81,7 +86,18 @@ def schedule(gm: GraphModule, fake_inputs: list, *, group_name: str = "group") -
         return _structural(gm, group_name)
     finally:
         mode.allow_non_fake_inputs = saved
+    if _fixed_sizes(mode, symbols) - fixed:  # a size of 0 or 1 at the example (a rank's share of few tokens)
+        log.info("collective schedule without shapes: tracing fixed a symbolic size of the inputs at the example's")
+        return _structural(gm, group_name)
     return _rename_symbols(rec.entries)
+
+
+def _fixed_sizes(mode: Any, symbols: set) -> set:
+    """The size symbols that the shape environment has fixed to a number."""
+    env = getattr(mode, "shape_env", None)
+    if env is None:
+        return set()
+    return {s for s in symbols if s in env.replacements and env.replacements[s].is_number}
 
 
 def _structural(gm: GraphModule, group_name: str) -> list[Entry]:
@@ -108,13 +124,21 @@ def _describe(e: Optional[Entry]) -> str:
     return "nothing (its schedule ends here)" if e is None else str(e)
 
 
+def _same(a: Entry, b: Entry) -> bool:
+    """The same collective: op and arguments, and shape and dtype unless a rank could not trace them ('?')."""
+    shapes = a.shape == b.shape or ("?",) in (a.shape, b.shape)
+    dtypes = a.dtype == b.dtype or "?" in (a.dtype, b.dtype)
+    return a.op == b.op and a.args == b.args and shapes and dtypes
+
+
 def first_difference(schedules: list[list[Entry]]) -> Optional[str]:
-    """None when every rank's schedule equals rank 0's, else a message naming the first difference."""
+    """None when every rank's schedule matches rank 0's (shapes a rank could not trace match any), else a message
+    naming the first difference."""
     ref = schedules[0]
     for r, other in enumerate(schedules[1:], start=1):
-        if other == ref:
+        if len(other) == len(ref) and all(_same(a, b) for a, b in zip(ref, other)):
             continue
-        i = next((k for k, (a, b) in enumerate(zip(ref, other)) if a != b), min(len(ref), len(other)))
+        i = next((k for k, (a, b) in enumerate(zip(ref, other)) if not _same(a, b)), min(len(ref), len(other)))
         at = lambda s: s[i] if i < len(s) else None  # noqa: E731
         return (f"collective schedules differ between ranks at collective #{i}: rank 0 issues "
                 f"{_describe(at(ref))}, rank {r} issues {_describe(at(other))} (rank 0 has "
