@@ -11,10 +11,9 @@ import argparse
 import datetime
 import sys
 import time
-import traceback
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -78,6 +77,73 @@ GAPS = {
         "`dt_proj`, `A_log` and `D` by inner channels, `x_proj` and `out_proj` row splits, two all-reduces "
         "per block:"),
 }
+
+
+def table_rows(archs: list, world_sizes: tuple, one: Callable[[Any, int], dict]) -> list[dict]:
+    """Per architecture and world size, the fields `one(arch, ws)` measures, or its error: a failing row is a row."""
+    rows = []
+    for arch in archs:
+        for ws in world_sizes:
+            row: dict[str, Any] = {"arch": arch.name, "ws": ws}
+            try:
+                row.update(one(arch, ws))
+            except Exception as e:  # noqa: BLE001  a failing row is a row, not a crash
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            rows.append(row)
+            print(f"{arch.name} ws={ws}: {'failed' if 'error' in row else 'done'}", file=sys.stderr)
+    return rows
+
+
+def table_main(argv: Optional[list[str]], doc: str, markers: tuple[str, str], world_sizes: tuple,
+               one: Callable[[Any, int], dict], render: Callable[[list[dict], float], str]) -> int:
+    """A table script's command line: `one(arch, ws)` for every architecture (or the --arch ones) at every world size,
+    `render(rows, seconds)` printed and, without --arch, written into its section of docs/architectures.md."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--arch", action="append", default=[], metavar="NAME", help="only this one (writes nothing)")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "architectures.md")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    wall = time.perf_counter()
+    rows = table_rows([a for a in ALL_ARCHS if not args.arch or a.name in args.arch], world_sizes, one)
+    text = render(rows, time.perf_counter() - wall)
+    print(text)
+    if not args.arch:
+        write_section(args.out, markers, text)
+    return 0
+
+
+def table_lines(rows: list[dict], world_sizes: tuple, cell: Callable[[dict], str],
+                notes_of: Callable[[dict], list[str]] = lambda row: []) -> tuple[list[str], list[str]]:
+    """(a table row per architecture, its cells `cell(row)` per world size or "failed"; the notes: each failure and
+    `notes_of(row)` of the others), in the rows' order."""
+    by_arch: dict[str, dict[int, dict]] = {}
+    for r in rows:
+        by_arch.setdefault(r["arch"], {})[r["ws"]] = r
+    lines, notes = [], []
+    for name, cells in by_arch.items():
+        out = []
+        for ws in world_sizes:
+            r = cells[ws]
+            if "error" in r:
+                out.append("failed")
+                notes.append(f"- {name} at {ws}: `{r['error'][:300]}`")
+            else:
+                out.append(cell(r))
+                notes += [f"- {name} at {ws}: {note}" for note in notes_of(r)]
+        lines.append(f"| {name} | " + " | ".join(out) + " |")
+    return lines, notes
+
+
+def write_section(path: Path, markers: tuple[str, str], text: str) -> None:
+    """`text` (which starts and ends with `markers`) in place of that section of the file, or, new, before the zoo
+    table of docs/architectures.md."""
+    old = path.read_text(encoding="utf-8")
+    if markers[0] in old:
+        head, rest = old.split(markers[0], 1)
+        old = head + rest.split(markers[1], 1)[1].lstrip("\n")
+    zoo = "<!-- zoo:start -->"
+    new = old.replace(zoo, text + "\n" + zoo, 1) if zoo in old else old.rstrip("\n") + "\n\n" + text
+    path.write_text(new, encoding="utf-8")
 
 
 def passed(row: dict[str, Any]) -> bool:
@@ -181,20 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     archs = [a for a in ALL_ARCHS if not args.arch or a.name in args.arch]
     torch.set_num_threads(1)
     wall = time.perf_counter()
-    rows = []
-    for arch in archs:
-        for ws in WORLD_SIZES:
-            row: dict[str, Any] = {"arch": arch.name, "ws": ws}
-            try:
-                row.update(run_one(arch, ws))
-            except Exception as e:  # noqa: BLE001  a failing architecture is a row, not a crash
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                if "the capture fixed that dim" in row["error"]:  # what it does at the length it was captured with
-                    row["fixed"] = run_one(arch, ws, (RUN[0], EXAMPLE[1]))
-                traceback.print_exc()
-            rows.append(row)
-            took = f"{row['seconds']:.1f} s" if "seconds" in row else "failed"
-            print(f"{arch.name} ws={ws}: {took}", file=sys.stderr)
+    rows = table_rows(archs, WORLD_SIZES, run_one)
+    for row in rows:
+        if "the capture fixed that dim" in row.get("error", ""):  # what it does at the length it was captured with
+            row["fixed"] = run_one(next(a for a in archs if a.name == row["arch"]), row["ws"], (RUN[0], EXAMPLE[1]))
     text = render(rows, time.perf_counter() - wall)
     print("\n".join(line for line in text.splitlines() if line.startswith("|")))
     print("\n".join(line for line in text.splitlines() if line.startswith(("- ", "  At "))))

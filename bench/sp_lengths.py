@@ -8,10 +8,8 @@ then simulated on lengths 7, 2 and 9 (shares of 3|2|2, 1|1|0 and 3|3|3 at 3 rank
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -22,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import tpcompile  # noqa: E402
-from bench.arch_table import TOLERANCE  # noqa: E402
-from hf_models import ALL_ARCHS, build, inputs  # noqa: E402
+from bench.arch_table import TOLERANCE, table_lines, table_main  # noqa: E402
+from hf_models import build, inputs  # noqa: E402
 from tpcompile.layouts import token_shares  # noqa: E402
 
 WORLD_SIZES = (3, 5)
@@ -65,52 +63,16 @@ def render(rows: list[dict], wall_s: float) -> str:
              "| architecture | " + " | ".join(f"ws {w}: diff at T = {', '.join(map(str, LENGTHS))}; split"
                                              for w in WORLD_SIZES) + " |",
              "|---|" + "---|" * len(WORLD_SIZES)]
-    by_arch: dict[str, dict[int, dict]] = {}
-    for r in rows:
-        by_arch.setdefault(r["arch"], {})[r["ws"]] = r
-    notes = []
-    for name, cells in by_arch.items():
-        out = []
-        for ws in WORLD_SIZES:
-            r = cells[ws]
-            if "error" in r:
-                out.append("failed")
-                notes.append(f"- {name} at {ws}: `{r['error'][:300]}`")
-            else:
-                out.append(", ".join(f"{d:.0e}" for d in r["diffs"]) + f"; {r['split']} of {r['sums']}")
-        lines.append(f"| {name} | " + " | ".join(out) + " |")
+    table, notes = table_lines(rows, WORLD_SIZES,
+                               lambda r: ", ".join(f"{d:.0e}" for d in r["diffs"]) + f"; {r['split']} of {r['sums']}")
+    lines += table
     if notes:
         lines += ["", "Failures:", "", *notes]
     return "\n".join(lines + ["", MARKERS[1]]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", action="append", default=[], metavar="NAME", help="only this one (writes nothing)")
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "architectures.md")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    wall, rows = time.perf_counter(), []
-    for arch in [a for a in ALL_ARCHS if not args.arch or a.name in args.arch]:
-        for ws in WORLD_SIZES:
-            row: dict[str, Any] = {"arch": arch.name, "ws": ws}
-            try:
-                row.update(run_one(arch, ws))
-            except Exception as e:  # noqa: BLE001  a failing row is a row, not a crash
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            rows.append(row)
-            print(f"{arch.name} ws={ws}: {'failed' if 'error' in row else 'done'}", file=sys.stderr)
-    text = render(rows, time.perf_counter() - wall)
-    print(text)
-    if not args.arch:
-        old = args.out.read_text(encoding="utf-8")
-        if MARKERS[0] in old:
-            head, rest = old.split(MARKERS[0], 1)
-            old = head + rest.split(MARKERS[1], 1)[1].lstrip("\n")
-        zoo = "<!-- zoo:start -->"
-        new = old.replace(zoo, text + "\n" + zoo, 1) if zoo in old else old.rstrip("\n") + "\n\n" + text
-        args.out.write_text(new, encoding="utf-8")
-    return 0
+    return table_main(argv, __doc__, MARKERS, WORLD_SIZES, run_one, render)
 
 
 if __name__ == "__main__":
