@@ -53,8 +53,8 @@ def token_share(em: Any, total: Any) -> Any:
 
 def local_tokens(em: Any, dim_size: Any, p: Shard, given: Any) -> Any:
     """This rank's size of a token-split dim of global `dim_size` whose size the graph gives as `given`."""
-    found = token_total(em, dim_size, p)
-    if found is None or found[1] == 1:
+    found = token_total(em, dim_size, p) if _tokens(dim_size, p)[1] > 1 else None  # k entries a token: T's share
+    if found is None:
         return token_share(em, given)
     share = token_share(em, found[0])
     return share * found[1] if isinstance(share, int) else em.call(operator.mul, share, found[1])
