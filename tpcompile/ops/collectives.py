@@ -126,13 +126,13 @@ def _gather_shares(op: str, x: torch.Tensor, dim: int, size: Optional[int], grou
     ws = world_size_of(group)
     if size is None or size == x.shape[dim] * ws:
         return _run(op, x, group, lambda b: b.all_gather(x, dim))
-    n = token_shares.slot(size, ws)
-    if x.shape[dim] != token_shares.share(size, rank_of(group), ws):
-        raise TPCompileError(f"tpcompile.{op}: rank {rank_of(group)} holds {x.shape[dim]} of the {size} entries of "
-                             f"dim {dim} split over {ws} ranks, not its share of "
-                             f"{token_shares.share(size, rank_of(group), ws)}: every rank must run on the same "
+    rank = rank_of(group)
+    mine = token_shares.share(size, rank, ws)
+    if x.shape[dim] != mine:
+        raise TPCompileError(f"tpcompile.{op}: rank {rank} holds {x.shape[dim]} of the {size} entries of dim {dim} "
+                             f"split over {ws} ranks, not its share of {mine}: every rank must run on the same "
                              f"inputs (the same batch and sequence length)")
-    padded = shares.pad(x.contiguous(), dim, n)
+    padded = shares.pad(x.contiguous(), dim, token_shares.slot(size, ws))
     full = _run(op, padded, group, lambda b: b.all_gather(padded, dim))
     return shares.gathered(full, dim, size, ws)
 

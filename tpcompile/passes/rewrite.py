@@ -88,17 +88,17 @@ class _Emitter:
             if (op, w.node) not in self.cache:
                 self.cache[(op, w.node)] = gather_tokens(self, src, w.node, have, op)
             return self.cache[(op, w.node)]
+        if isinstance(have, Replicate) and is_seq(w.placement):  # this rank's tokens (of every sequence)
+            key = ("scatter", w.node, w.placement.dim)
+            if key not in self.cache:
+                self.cache[key] = scatter_tokens(self, src, w.node, w.placement)
+            return self.cache[key]
         shared = cut_from_shared(have, w.placement)  # its gradient is summed where the shared piece is made
         if shared or isinstance(have, Replicate) and isinstance(w.placement, Shard) and not w.placement.plain:
             key = ("slice", w.node, w.placement)  # segments, pieces, batch x heads: this rank's runs, no communication
             if key not in self.cache:
                 self.cache[key] = local_slice(self, src, w.node, w.placement, sync=not shared,
                                               piece=have if shared and have.pieces > 1 else None)
-            return self.cache[key]
-        if isinstance(have, Replicate) and is_seq(w.placement):  # this rank's tokens
-            key = ("scatter", w.node, w.placement.dim)
-            if key not in self.cache:
-                self.cache[key] = scatter_tokens(self, src, w.node, w.placement)
             return self.cache[key]
         if isinstance(have, Replicate) and isinstance(w.placement, Shard):
             return self._once(("scatter", w.node, w.placement.dim), tp.scatter.default,

@@ -8,7 +8,7 @@ blocks, all without communication. The whole value's gradient is then only this 
 its source passes `grad_all_reduce` first (identity forward, all-reduce backward), keeping the
 invariant that a whole value carries a whole gradient.
 
-A token split (sequence parallelism) is cut by `rewrite_tokens.scatter_tokens`.
+A token split (sequence parallelism) is cut by `rewrite_tokens.scatter_tokens` instead.
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import torch
 from torch.fx import Node
 
 from tpcompile.layouts import dim_layout
-from tpcompile.passes.rewrite_tokens import scatter_tokens
 from tpcompile.placement import Shard
 from tpcompile.sharding_rules.padded import zero_padded
 from tpcompile.sharding_rules.rule_context import to_size
@@ -38,8 +37,6 @@ def local_slice(em: Any, src: Node, node: Node, p: Shard, sync: bool = True, pie
     if piece is not None:  # rank r's even block lies in its piece, at its place among the ranks sharing it
         n = int(to_size(val.shape[p.dim])) // em.ws
         return em.call(aten.narrow.default, src, p.dim, em.rank % (em.ws // piece.pieces) * n, n)
-    if p.seq:  # tokens of every sequence: tpcompile.scatter on the (B, T, ...) view
-        return scatter_tokens(em, src, node, p)
     if sync and (val.is_floating_point() or val.is_complex()):
         src = em.call(tp.grad_all_reduce.default, src, em.plan.group)
     size = to_size(val.shape[p.dim])

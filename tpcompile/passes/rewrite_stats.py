@@ -24,7 +24,7 @@ from tpcompile.passes.rewrite_sizes import size_node
 from tpcompile.passes.rewrite_slices import zero_padding
 from tpcompile.placement import is_seq, local_shape, shape_key
 from tpcompile.sharding_rules.rule_context import to_size
-from tpcompile.sharding_rules.reductions import keepdim
+from tpcompile.sharding_rules.reductions import keepdim, reduced_dims
 
 aten = torch.ops.aten
 tp = torch.ops.tpcompile
@@ -120,11 +120,10 @@ def _even_tokens(o: _Ops) -> bool:
 def _token_mean(o: _Ops, node: Node, lookup: Lookup) -> Node:
     """A mean over tokens whose ranks' shares may differ by one (layouts/token_shares.py): the ranks' sums, summed,
     over the count of the entries reduced (a run-time size of the model's inputs)."""
-    x, val, nd = lookup(o.x), o.x.meta["val"], o.x.meta["val"].dim()
-    given = node.args[1] if node.target is not aten.mean.default and len(node.args) > 1 else None
-    dims = list(range(nd)) if given is None or given == [] else [d % nd for d in _listed(given)]
+    x, val, spec = lookup(o.x), o.x.meta["val"], o.em.plan.rule(node)
+    dims = reduced_dims(node, spec, val.dim())
     dtype = {"dtype": node.kwargs["dtype"]} if node.kwargs.get("dtype") is not None else {}
-    local = o.call(aten.sum.dim_IntList, x, dims, keepdim(node, o.em.plan.rule(node)), **dtype)
+    local = o.call(aten.sum.dim_IntList, x, dims, keepdim(node, spec), **dtype)
     count = size_node(o.em, sympy.Mul(*[sympy.sympify(to_size(val.shape[d])) for d in dims]))
     return o.call(aten.div.Tensor, o.call(tp.all_reduce.default, local, o.group), count)
 
@@ -134,10 +133,6 @@ def _never_wins(dtype: torch.dtype, combine: str) -> float:
     info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
     low, high = (-float("inf"), float("inf")) if dtype.is_floating_point else (info.min, info.max)
     return low if combine == "max" else high
-
-
-def _listed(dims: Any) -> list:
-    return list(dims) if isinstance(dims, (list, tuple)) else [dims]
 
 
 def _correction(node: Node) -> float:

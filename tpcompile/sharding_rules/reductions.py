@@ -127,7 +127,8 @@ def _splittable(p: Any) -> bool:
     return isinstance(p, Shard) and p.padding is None and p.pieces is None and p.split_next is None
 
 
-def _dims(node: Node, spec: RuleSpec, nd: int) -> list[int]:
+def reduced_dims(node: Node, spec: RuleSpec, nd: int) -> list[int]:
+    """The dims a reduction row reduces over, non-negative (every dim when none are given)."""
     i = spec.get("dims_arg")
     dims = node.args[i] if i is not None and i < len(node.args) else node.kwargs.get("dim")
     if dims is None or (isinstance(dims, (list, tuple)) and not dims and spec.get("combine") in ("max", "min")):
@@ -149,7 +150,7 @@ def reduce(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if isinstance(p, Replicate):
         return Result(REPLICATE, [Want(x, REPLICATE)])
     nd = len(ctx.shape(x))
-    dims = _dims(node, spec, nd)
+    dims = reduced_dims(node, spec, nd)
     if p.split_next and p.dim + 1 in dims:
         return Result(REPLICATE, [Want(x, REPLICATE)], conflict=f"reduces over dim {p.dim + 1}, split within pieces")
     if p.dim not in dims:
