@@ -66,7 +66,7 @@ def collectives(sm: Any, events: list) -> dict[str, Any]:
 def run_ws(model_type: str, ws: int) -> dict[str, Any]:
     """Shard `model_type` at `ws` ranks, simulate them on another batch and length, compare with the original."""
     import tpcompile
-    from hf_models import param_bytes
+    from hf_models import balanced_bytes, param_bytes
     from tpcompile.cli.compare import check_outputs
     from tpcompile.ops import collectives as C
 
@@ -79,7 +79,7 @@ def run_ws(model_type: str, ws: int) -> dict[str, Any]:
             sm = tpcompile.shard(model, ws, example_kwargs=zoo_inputs(model, *EXAMPLE, seed=1))
         row["warnings"] = [str(w.message) for w in caught if issubclass(w.category, tpcompile.TPCompileWarning)]
         local, total = param_bytes(model, sm)
-        row.update(share=local / total, total_bytes=total)
+        row.update(share=local / total, total_bytes=total, balanced=local / balanced_bytes(model, sm))
         kw = zoo_inputs(model, *RUN, seed=2)
         with torch.no_grad():
             ref = model(**kw)
@@ -97,8 +97,8 @@ def run_ws(model_type: str, ws: int) -> dict[str, Any]:
     return row
 
 
-def run_arch(model_type: str) -> dict[str, Any]:
-    """One architecture's row: why it cannot run unsharded, or its result at every world size."""
+def run_arch(model_type: str, world_sizes: tuple[int, ...] = WORLD_SIZES) -> dict[str, Any]:
+    """One architecture's row: why it cannot run unsharded, or its result at each of `world_sizes`."""
     import transformers
 
     torch.set_num_threads(1)
@@ -112,7 +112,7 @@ def run_arch(model_type: str) -> dict[str, Any]:
         row.update(status="unsharded fails", reason=why)
     else:
         row["params"] = sum(p.numel() for p in zoo_build(model_type).parameters())
-        row["ws"] = {str(ws): run_ws(model_type, ws) for ws in WORLD_SIZES}
+        row["ws"] = {str(ws): run_ws(model_type, ws) for ws in world_sizes}
         row["status"] = status(row)
     row["seconds"] = round(time.perf_counter() - start, 2)
     return row
@@ -126,11 +126,12 @@ def status(row: dict[str, Any]) -> str:
     return "split" if all(r["share"] * r["ws"] <= HELD for r in runs) else "equal"
 
 
-def run_isolated(model_type: str, budget_s: float) -> dict[str, Any]:
+def run_isolated(model_type: str, budget_s: float, world_sizes: tuple[int, ...] = WORLD_SIZES) -> dict[str, Any]:
     """run_arch in a child process under a time budget; a crash or timeout becomes a row with its reason."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "row.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--one", model_type, "--result", str(out)]
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--one", model_type, "--result", str(out),
+               *[f"--world-size={ws}" for ws in world_sizes]]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TPCOMPILE_PROGRESS": "0"}
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -141,7 +142,7 @@ def run_isolated(model_type: str, budget_s: float) -> dict[str, Any]:
             os.killpg(proc.pid, signal.SIGKILL)  # the child's own session: it and anything it started
             proc.communicate()
             return {"arch": model_type, "status": "fails", "reason": f"timed out: more than {budget_s:.0f} s "
-                    "for both world sizes", "seconds": round(time.perf_counter() - start, 2)}
+                    f"for world sizes {world_sizes}", "seconds": round(time.perf_counter() - start, 2)}
         if out.exists():
             return json.loads(out.read_text())
         last = [line for line in (err or "").splitlines() if line.strip()][-1:] or [f"exit status {proc.returncode}"]
@@ -155,12 +156,12 @@ def load_cache(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return data.get("meta", {}), data.get("archs", {})
 
 
-def save_cache(path: Path, rows: dict[str, Any]) -> None:
+def save_cache(path: Path, rows: dict[str, Any], world_sizes: tuple[int, ...] = WORLD_SIZES) -> None:
     """Write the rows with the versions they were measured with, atomically (a killed run keeps the last)."""
     import transformers
 
     meta = {"torch": torch.__version__, "transformers": transformers.__version__, "example": EXAMPLE, "run": RUN,
-            "world_sizes": WORLD_SIZES, "held": HELD, "date": time.strftime("%Y-%m-%d")}
+            "world_sizes": world_sizes, "held": HELD, "date": time.strftime("%Y-%m-%d")}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"meta": meta, "archs": dict(sorted(rows.items()))}, indent=1) + "\n")
@@ -175,13 +176,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--render", action="store_true", help="only write the docs section from the cache")
     ap.add_argument("--partial", action="store_true", help="write the docs although some rows are missing")
     ap.add_argument("--budget", type=float, default=BUDGET_S, help="seconds per architecture (both world sizes)")
+    ap.add_argument("--world-size", type=int, action="append", metavar="N",
+                    help=f"shard at N ranks (repeatable; default {' and '.join(map(str, WORLD_SIZES))}); other world "
+                    "sizes than the default need their own --cache and --docs")
     ap.add_argument("--cache", type=Path, default=CACHE)
     ap.add_argument("--docs", type=Path, default=DOCS)
     ap.add_argument("--one", help=argparse.SUPPRESS)  # the child process: run one architecture
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
-        args.result.write_text(json.dumps(run_arch(args.one)))
+        args.result.write_text(json.dumps(run_arch(args.one, tuple(args.world_size or WORLD_SIZES))))
         return 0
     names = zoo_types()
     unknown = [n for n in args.only if n not in names]
@@ -192,8 +196,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         for name in args.only or names:
             if name in rows and not args.rerun:
                 continue
-            rows[name] = run_isolated(name, args.budget)
-            save_cache(args.cache, rows)
+            rows[name] = run_isolated(name, args.budget, tuple(args.world_size or WORLD_SIZES))
+            save_cache(args.cache, rows, tuple(args.world_size or WORLD_SIZES))
             print(f"{name}: {rows[name]['status']} ({rows[name]['seconds']:.0f} s) {reason_of(rows[name])}",
                   file=sys.stderr, flush=True)
     missing = [n for n in names if n not in rows]

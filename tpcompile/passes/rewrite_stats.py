@@ -181,6 +181,17 @@ def _norm(o: _Ops, node: Node, lookup: Lookup) -> Node:
         ranks = o.gather(tp.all_gather.default, sq, -1, [*o.local[:-1], 1])  # (..., ws)
         ms = o.call(aten.div.Scalar, o.call(aten.sum.dim_IntList, ranks, [-1], True), total)
         y = o.call(aten.mul.Tensor, x, o.call(aten.rsqrt.default, o.call(aten.add.Scalar, ms, eps)))
+    elif o.p.padding is not None:  # zero-padded: each rank's sum and sum of squares, over the real size
+        sums = o.call(aten.cat.default, [o.call(aten.sum.dim_IntList, x, [-1], True),
+                                         o.call(aten.sum.dim_IntList, o.call(aten.pow.Tensor_Scalar, x, 2), [-1], True)], -1)
+        ranks = o.gather(tp.all_gather.default, sums, -1, [*o.local[:-1], 2])  # (..., 2 * ws)
+        both = o.call(aten.sum.dim_IntList, o.call(aten.unflatten.int, ranks, -1, [o.ws, 2]), [-2])
+        mu = o.call(aten.div.Scalar, o.call(aten.select.int, both, -1, 0), total)
+        mu = o.call(aten.unsqueeze.default, mu, -1)
+        sq = o.call(aten.unsqueeze.default, o.call(aten.div.Scalar, o.call(aten.select.int, both, -1, 1), total), -1)
+        var = o.call(aten.sub.Tensor, sq, o.call(aten.pow.Tensor_Scalar, mu, 2))
+        y = o.call(aten.mul.Tensor, o.call(aten.sub.Tensor, x, mu),
+                   o.call(aten.rsqrt.default, o.call(aten.add.Scalar, var, eps)))
     else:
         mean = o.call(aten.mean.dim, x, [-1], True)
         m2 = o.call(aten.sum.dim_IntList, o.call(aten.pow.Tensor_Scalar, o.call(aten.sub.Tensor, x, mean), 2),

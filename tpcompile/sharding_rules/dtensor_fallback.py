@@ -8,8 +8,9 @@ communication: every input stays as it is or is a local slice of a replicated va
 outputs are Shard or Replicate (no pending sum), and no size argument has to change. Anything
 DTensor cannot say about our own layouts of a split dim (segments, pieces shared by ranks,
 folded batch x heads) is asked as a plain split of that dim and carried over when the op keeps
-that dim's size; zero-padded splits stay with tpcompile's own rules. An op DTensor cannot place
-is replicated as before.
+that dim's size; a zero-padded split is asked as a plain split of the padded size (what the ranks
+hold, the padding then not zero: a rule that needs zeros there reads `zero_padded`), zero-padded
+segments stay with tpcompile's own rules. An op DTensor cannot place is replicated as before.
 
 Shapes are the capture's (each symbolic size at its example value); an output split on a dim
 the world size does not divide is refused, since our shards are even; and every answer is run
@@ -120,23 +121,25 @@ class _Schema:
         return a
 
     def tensor(self, n: Node) -> Any:
+        from torch.distributed.tensor import Replicate as DReplicate, Shard as DShard
         from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
         val = n.meta["val"]
         shape = torch.Size([_hint(s) for s in val.shape])
+        p = self.ctx.placement(n)
+        self.key.append((tuple(shape), val.dtype, p))
+        if isinstance(p, Shard):
+            if (p.padding is not None and not p.plain_padded) or p.split_next is not None:
+                raise _Unsupported(f"{p}: segments zero-padded or a split of the next dim")
+            self.layouts.add(replace(p, dim=0))
+            self.split_sizes.add(shape[p.dim])
+            if p.plain_padded:  # asked, and checked, at the padded size that the ranks split evenly
+                shape = torch.Size([*shape[:p.dim], p.padded, *shape[p.dim + 1:]])
         stride, acc = [], 1
         for s in reversed(shape):  # contiguous strides of the example shape
             stride.insert(0, acc)
             acc *= max(s, 1)
-        from torch.distributed.tensor import Replicate as DReplicate, Shard as DShard
-        p = self.ctx.placement(n)
         self.inputs.append(n)
         self.shapes.append(shape)
-        self.key.append((tuple(shape), val.dtype, p))
-        if isinstance(p, Shard):
-            if p.padding is not None or p.split_next is not None:
-                raise _Unsupported(f"{p}: zero padding or a split of the next dim")
-            self.layouts.add(replace(p, dim=0))
-            self.split_sizes.add(shape[p.dim])
         placed = DShard(p.dim) if isinstance(p, Shard) else DReplicate()
         return DTensorSpec(self.mesh, (placed,), TensorMeta(shape, tuple(stride), val.dtype))
 

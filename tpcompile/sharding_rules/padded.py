@@ -124,6 +124,9 @@ _KEEPS_ZERO = frozenset(
     "aten.mul.Scalar aten.div.Scalar aten.dropout.default aten.cat.default aten.add.Tensor aten.sub.Tensor "
     "aten.mul.Tensor aten.div.Tensor aten.pow.Tensor_Scalar".split())
 
+_ATTENTION = frozenset(("aten.scaled_dot_product_attention.default",))
+_NORMS = frozenset(("aten.layer_norm.default", "aten.rms_norm.default"))
+
 
 def zero_padded(x: Node, placement, depth: int = 24, rule: Any = None) -> bool:
     """True when the padding of `x`'s padded split is known to hold zeros: it comes from weight ops whose padded
@@ -145,6 +148,10 @@ def zero_padded(x: Node, placement, depth: int = 24, rule: Any = None) -> bool:
             return zero_padded(act, placement, depth - 1, rule) and (len(x.args) < 3 or x.args[2] is None)
         return True
     name = op_name(x.target) if x.op == "call_function" else ""
+    if name in _ATTENTION:  # each query's weights sum to one over the keys: zero where the values are zero
+        return len(x.args) > 2 and isinstance(x.args[2], Node) and zero_padded(x.args[2], placement, depth - 1, rule)
+    if name in _NORMS:  # normalised, times the weight's zero padding
+        return len(x.args) > 2 and isinstance(x.args[2], Node) and isinstance(placement(x.args[2]), Shard)
     if name not in _KEEPS_ZERO:
         return False
     if name == "aten.pow.Tensor_Scalar" and not (isinstance(x.args[1], (int, float)) and x.args[1] > 0):

@@ -203,8 +203,10 @@ def norm(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if max(split_dims(p)) < nd - k:
         return Result(p, [Want(x, p)] + [ctx.replicated_want(n, p) for n in extra])
     rms = "rms_norm" in str(node.target)
-    # RMSNorm over a zero-padded split: the padding adds nothing to the sum of squares (divided by the real size)
-    padded = rms and k == 1 and p.plain_padded and zero_padded(x, ctx.placement)
+    # over a zero-padded split: the padding adds nothing to the sums (divided by the real size); a LayerNorm's
+    # padding is (0 - mean) / std, zero again only times the weight's zero padding
+    weighted = len(node.args) > 2 and isinstance(node.args[2], Node)
+    padded = k == 1 and p.plain_padded and (rms or weighted) and zero_padded(x, ctx.placement)
     if k != 1 or not (p.plain or padded) or not isinstance(ctx.shape(x)[-1], int):
         return Result(REPLICATE, [Want(n, REPLICATE) for n in [x] + extra],
                       conflict=f"normalises over the sharded dim {p.dim} (split as {p}, over {k} dims)")

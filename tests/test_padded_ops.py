@@ -1,0 +1,129 @@
+"""A zero-padded split (a width the world size does not divide) through a LayerNorm over it, a norm written out
+after attention with padded heads, and ops the op table has no row for (DTensor's strategies at the padded size).
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tpcompile
+
+from sgd_steps import sgd_losses
+
+
+class NormedMLP(torch.nn.Module):
+    """up -> gelu -> LayerNorm over the up projection's 100 features -> down (a masked-LM head's transform)."""
+
+    def __init__(self, affine: bool = True) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(32, 100), torch.nn.Linear(100, 32)
+        self.ln = torch.nn.LayerNorm(100, elementwise_affine=affine)
+        if affine:
+            with torch.no_grad():
+                self.ln.weight.normal_()
+                self.ln.bias.normal_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.ln(F.gelu(self.up(x))))
+
+
+class SubNormAttention(torch.nn.Module):
+    """4 heads, their output normalised (RMS, written out) over the heads' features before the output projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(3))
+        self.o = torch.nn.Linear(32, 32)
+        self.scale = torch.nn.Parameter(torch.rand(32) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, 4, 8).transpose(1, 2) for p in self.qkv)
+        h = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, 32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.scale
+        return self.o(h)
+
+
+class PaddedTokens(torch.nn.Module):
+    """A split width through ops without a row in the op table: F.pad along the tokens, a max over them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(32, 100), torch.nn.Linear(100, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.pad(F.gelu(self.up(x)), (0, 0, 1, 0))  # a zero token in front
+        return self.down(h + torch.max(h, dim=1, keepdim=True).values)
+
+
+def _shard(model: torch.nn.Module, ws: int) -> tuple[tpcompile.ShardedModel, list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", tpcompile.TPCompileWarning)
+        sm = tpcompile.shard(model, ws, example_inputs=(torch.randn(2, 5, 32),))
+    return sm, [str(w.message) for w in caught if issubclass(w.category, tpcompile.TPCompileWarning)]
+
+
+def _equal(model: torch.nn.Module, sm: tpcompile.ShardedModel) -> None:
+    x = torch.randn(3, 7, 32)
+    with torch.no_grad():
+        ref = model(x)
+        for out in tpcompile.simulate(sm, x):
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("ws", [3, 6])
+def test_layer_norm_over_a_padded_split_merges_statistics(ws: int) -> None:
+    """100 features at 3 and 6 ranks, zero-padded: the LayerNorm merges the ranks' sums (no warning, the projections
+    split, its weight and bias cut like the features); outputs and three SGD steps equal the original's."""
+    torch.manual_seed(0)
+    model = NormedMLP()
+    sm, warned = _shard(model, ws)
+    assert warned == []
+    roles = {n: p.role for n, p in sm.plan.parameters.items()}
+    assert roles["up.weight"] == "column" and roles["down.weight"] == "row" and roles["ln.weight"] == "follows"
+    assert sm.plan.parameters["ln.weight"].local_shape == (-(-100 // ws),)
+    _equal(model, sm)
+    xs = [torch.randn(2, 6, 32) for _ in range(3)]
+    want = sgd_losses(copy.deepcopy(model).train(), xs, lr=0.1)
+    got = tpcompile.simulate_ranks(ws, lambda r: sgd_losses(sm.rank(r).train(), xs, lr=0.1))
+    for losses in got:
+        assert losses == pytest.approx(want, rel=1e-4, abs=1e-6)
+
+
+def test_layer_norm_without_weight_over_a_padded_split_stays_whole() -> None:
+    """Without a weight the normalised padding is not zero: the projections before it are kept whole, warned."""
+    torch.manual_seed(0)
+    model = NormedMLP(affine=False)
+    sm, warned = _shard(model, 3)
+    assert any("normalises over the sharded dim" in w for w in warned)
+    assert sm.plan.parameters["up.weight"].role == "replicated"
+    _equal(model, sm)
+
+
+def test_norm_after_attention_with_padded_heads() -> None:
+    """4 heads at 3 ranks (2|2|0 heads, zero-padded): attention keeps the padded heads zero, so the written-out
+    norm's mean over the heads' features is the ranks' summed sums; the projections are split, no warning."""
+    torch.manual_seed(0)
+    model = SubNormAttention()
+    sm, warned = _shard(model, 3)
+    assert warned == []
+    assert {sm.plan.parameters[f"qkv.{i}.weight"].role for i in range(3)} == {"column"}
+    assert sm.plan.parameters["o.weight"].role == "row"
+    _equal(model, sm)
+
+
+@pytest.mark.parametrize("ws", [3, 6])
+def test_ops_without_a_rule_take_a_padded_split(ws: int) -> None:
+    """F.pad and max over the tokens of a zero-padded width: placed by DTensor's strategies at the padded size,
+    the width stays split (one all-reduce, after the row split); outputs equal the original's."""
+    torch.manual_seed(0)
+    model = PaddedTokens()
+    sm, warned = _shard(model, ws)
+    assert warned == []
+    assert sm.plan.parameters["up.weight"].role == "column" and sm.plan.parameters["down.weight"].role == "row"
+    assert sorted(op for op, _ in sm.collectives()) == ["all_reduce"]
+    _equal(model, sm)
