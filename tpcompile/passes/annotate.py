@@ -224,10 +224,33 @@ def _head_size(value: Node, width: int) -> Optional[int]:
             # (.., h, d) or (.., h, 3, d): d or 3d a head; one head (multi-query) of the value, not of its product
             if heads is not None and _last_dim(n) == width and not (heads == 1 and mixed):
                 return width // heads
+            merged = [_merged_heads(i, width) for i in u.all_input_nodes if i is not n] \
+                if spec is not None and spec.rule == "pointwise" else []
+            if any(merged):  # times (or plus) attention's heads merged back: a gate of the same heads
+                return next(d for d in merged if d)
             if spec is not None and spec.rule in ("pointwise", "transpose", "reshape", "norm") \
                     and _last_dim(u) == width:
                 todo.append((u, mixed or any(i is not n and i.op != "get_attr" and _last_dim(i) == width
                                              for i in u.all_input_nodes)))
+    return None
+
+
+def _merged_heads(value: Node, width: int) -> Optional[int]:
+    """d where `value` is (through elementwise ops) a reshape of (.., h, d) to (.., h * d), h * d == width, h > 1:
+    attention's heads merged back, which a gate multiplying them (AFMoE's, Qwen3-Next's) splits alike."""
+    for _ in range(6):
+        spec = lookup(value.target) if value.op == "call_function" else None
+        src = value.args[0] if value.args and isinstance(value.args[0], Node) else None
+        if spec is None or src is None or _last_dim(value) != width:
+            return None
+        val = src.meta.get("val")
+        if spec.rule == "reshape" and isinstance(val, torch.Tensor) and val.dim() >= 2 \
+                and all(isinstance(v, int) for v in val.shape[-2:]) and val.shape[-2] > 1 \
+                and val.shape[-2] * val.shape[-1] == width:
+            return int(val.shape[-1])
+        if spec.rule not in ("pointwise", "reshape"):
+            return None
+        value = src
     return None
 
 
