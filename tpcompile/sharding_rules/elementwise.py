@@ -30,7 +30,8 @@ def pointwise(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         p = ctx.placement(n)
         if isinstance(p, Shard):
             targets.add(moved(p, p.dim + nout - len(ctx.shape(n))))
-    even = [t for t in targets if t.plain]  # operands in shared pieces are cut locally to an even split's blocks
+    # operands in shared pieces are cut locally to an even (or zero-padded) split's blocks
+    even = [t for t in targets if t.plain or t.plain_padded]
     if len(targets) > 1 and not (len(even) == 1 and all(t == even[0] or cut_from_shared(t, even[0]) for t in targets)):
         return Result(REPLICATE, [Want(n, REPLICATE) for n in inputs],
                       conflict=f"operands sharded differently ({', '.join(map(str, targets))})")

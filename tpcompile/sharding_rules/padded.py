@@ -7,6 +7,8 @@ whole heads.
 """
 from __future__ import annotations
 
+import operator
+
 from dataclasses import replace
 from typing import Any, Optional, Sequence
 
@@ -126,6 +128,9 @@ _KEEPS_ZERO = frozenset(
 
 _ATTENTION = frozenset(("aten.scaled_dot_product_attention.default",))
 _NORMS = frozenset(("aten.layer_norm.default", "aten.rms_norm.default"))
+_SPLITS = frozenset(("aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default", "aten.unbind.int"))
+_PADS = frozenset(("aten.pad.default", "aten.constant_pad_nd.default"))
+_MULTILINEAR = frozenset(("aten.einsum.default", "aten.bmm.default", "aten.matmul.default", "aten.mm.default"))
 
 
 def zero_padded(x: Node, placement, depth: int = 24, rule: Any = None) -> bool:
@@ -148,10 +153,22 @@ def zero_padded(x: Node, placement, depth: int = 24, rule: Any = None) -> bool:
             return zero_padded(act, placement, depth - 1, rule) and (len(x.args) < 3 or x.args[2] is None)
         return True
     name = op_name(x.target) if x.op == "call_function" else ""
+    src = x.args[0] if x.target is operator.getitem and isinstance(x.args[0], Node) else None
+    if src is not None and op_name(src.target) in _SPLITS and isinstance(src.args[0], Node):  # a part of a split
+        return zero_padded(src.args[0], placement, depth - 1, rule)
     if name in _ATTENTION:  # each query's weights sum to one over the keys: zero where the values are zero
         return len(x.args) > 2 and isinstance(x.args[2], Node) and zero_padded(x.args[2], placement, depth - 1, rule)
     if name in _NORMS:  # normalised, times the weight's zero padding
         return len(x.args) > 2 and isinstance(x.args[2], Node) and isinstance(placement(x.args[2]), Shard)
+    if name in _PADS:  # new entries along other dims of zeros (the mode constant, the value 0)
+        mode = x.args[2] if len(x.args) > 2 else x.kwargs.get("mode", "constant")
+        fill = x.args[3] if len(x.args) > 3 else x.kwargs.get("value")
+        fill = x.args[2] if name == "aten.constant_pad_nd.default" and len(x.args) > 2 else fill
+        return (name == "aten.constant_pad_nd.default" or mode == "constant") and not fill \
+            and isinstance(x.args[0], Node) and zero_padded(x.args[0], placement, depth - 1, rule)
+    if name in _MULTILINEAR:  # split, not summed: the padded dim is one the product keeps, zero in one factor
+        ins = [a for a in x.all_input_nodes if isinstance(placement(a), Shard) and placement(a).padding is not None]
+        return any(zero_padded(a, placement, depth - 1, rule) for a in ins)
     if name not in _KEEPS_ZERO:
         return False
     if name == "aten.pow.Tensor_Scalar" and not (isinstance(x.args[1], (int, float)) and x.args[1] > 0):
