@@ -152,7 +152,7 @@ def test_capture_failures_in_concrete_sizes(capsys: pytest.CaptureFixture[str]) 
 
 def test_plan_shows_each_warning_once_in_words(capsys: pytest.CaptureFixture[str]) -> None:
     """At 3 ranks each replicated module is one line under the tables, without placement notation; --debug has
-    the long form (q, k and v normalised over their padded heads by LayerNorms, which count the padding)."""
+    the long form (q, k and v normalised over their padded heads by LayerNorms without a weight)."""
     normed = [f"{Path(__file__).parent / 'test_soundness.py'}:HeadsNotDivisible", "-w", "3", "--inputs", "2x5x48"]
     assert main(["plan", *normed]) == 0
     out, err = capsys.readouterr()

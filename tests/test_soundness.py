@@ -327,14 +327,14 @@ def test_token_ids_outside_the_vocabulary(ws: int, bad: int) -> None:
 # --- warnings name the root cause ---
 
 class HeadsNotDivisible(nn.Module):
-    """4 heads at 3 ranks, q/k/v each LayerNorm'd over all its heads: padded by whole heads for the view, the
-    norm's mean and variance would count the padding, so they stay whole and the output projection sees a whole
+    """4 heads at 3 ranks, q/k/v each LayerNorm'd (without a weight) over all its heads: padded by whole heads for
+    the view, the normalised padding would not be zero, so they stay whole and the output projection sees a whole
     input."""
 
     def __init__(self) -> None:
         super().__init__()
         self.q, self.k, self.v, self.wo = (nn.Linear(48, 48) for _ in range(4))
-        self.qn, self.kn, self.vn = (nn.LayerNorm(48) for _ in range(3))
+        self.qn, self.kn, self.vn = (nn.LayerNorm(48, elementwise_affine=False) for _ in range(3))
         self.norm, self.fc, self.proj = nn.RMSNorm(48), nn.Linear(48, 192), nn.Linear(192, 48)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
