@@ -51,16 +51,17 @@ class SubNormAttention(torch.nn.Module):
 class GatedAttention(torch.nn.Module):
     """4 heads whose merged output is gated elementwise by a projection of the input (no heads of its own)."""
 
-    def __init__(self) -> None:
+    def __init__(self, normed: bool = False) -> None:
         super().__init__()
         self.qkv = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(3))
         self.gate, self.o = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+        self.norm = torch.nn.RMSNorm(32) if normed else torch.nn.Identity()  # the merged heads normalised first
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = (p(x).view(b, t, 4, 8).transpose(1, 2) for p in self.qkv)
         h = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, 32)
-        return self.o(h * torch.sigmoid(self.gate(x)))
+        return self.o(torch.sigmoid(self.gate(x)) * self.norm(h))
 
 
 class PaddedTokens(torch.nn.Module):
@@ -144,12 +145,13 @@ def test_ops_without_a_rule_take_a_padded_split(ws: int) -> None:
     _equal(model, sm)
 
 
-@pytest.mark.parametrize("ws", [3, 5])
-def test_gate_of_merged_heads_is_padded_by_heads(ws: int) -> None:
-    """A gate multiplying attention's merged heads is cut by the same whole heads (4 heads at 3 and 5 ranks, padded):
-    before, its own padding by features met the heads' and both projections were replicated, warned."""
+@pytest.mark.parametrize("ws,normed", [(3, False), (5, False), (3, True)])
+def test_gate_of_merged_heads_is_padded_by_heads(ws: int, normed: bool) -> None:
+    """A gate multiplying attention's merged heads (normalised first or not) is cut by the same whole heads (4 heads
+    at 3 and 5 ranks, padded): before, its own padding by features met the heads' and both projections were
+    replicated, warned."""
     torch.manual_seed(0)
-    model = GatedAttention()
+    model = GatedAttention(normed)
     sm, warned = _shard(model, ws)
     assert warned == []
     assert sm.plan.parameters["gate.weight"].local_shape == sm.plan.parameters["qkv.0.weight"].local_shape

@@ -235,22 +235,23 @@ def _head_size(value: Node, width: int) -> Optional[int]:
     return None
 
 
-def _merged_heads(value: Node, width: int) -> Optional[int]:
-    """d where `value` is (through elementwise ops) a reshape of (.., h, d) to (.., h * d), h * d == width, h > 1:
-    attention's heads merged back, which a gate multiplying them (AFMoE's, Qwen3-Next's) splits alike."""
-    for _ in range(6):
-        spec = lookup(value.target) if value.op == "call_function" else None
-        src = value.args[0] if value.args and isinstance(value.args[0], Node) else None
-        if spec is None or src is None or _last_dim(value) != width:
-            return None
-        val = src.meta.get("val")
-        if spec.rule == "reshape" and isinstance(val, torch.Tensor) and val.dim() >= 2 \
-                and all(isinstance(v, int) for v in val.shape[-2:]) and val.shape[-2] > 1 \
-                and val.shape[-2] * val.shape[-1] == width:
-            return int(val.shape[-1])
-        if spec.rule not in ("pointwise", "reshape"):
-            return None
-        value = src
+def _merged_heads(value: Node, width: int, depth: int = 6) -> Optional[int]:
+    """d where `value` is (through elementwise ops and norms) a reshape of (.., h, d) to (.., h * d), h * d == width,
+    h > 1: attention's heads merged back, which a gate multiplying them (AFMoE's, MiniMax's) splits alike."""
+    spec = lookup(value.target) if value.op == "call_function" else None
+    if depth <= 0 or spec is None or _last_dim(value) != width:
+        return None
+    src = value.args[0] if value.args and isinstance(value.args[0], Node) else None
+    val = src.meta.get("val") if src is not None else None
+    if spec.rule == "reshape" and isinstance(val, torch.Tensor) and val.dim() >= 2 \
+            and all(isinstance(v, int) for v in val.shape[-2:]) and val.shape[-2] > 1 \
+            and val.shape[-2] * val.shape[-1] == width:
+        return int(val.shape[-1])
+    if spec.rule not in ("pointwise", "reshape", "norm"):
+        return None
+    for i in value.all_input_nodes:  # the operands that are values (a norm's weight is a parameter read)
+        if i.op != "get_attr" and (d := _merged_heads(i, width, depth - 1)):
+            return d
     return None
 
 
