@@ -64,6 +64,18 @@ class GatedAttention(torch.nn.Module):
         return self.o(torch.sigmoid(self.gate(x)) * self.norm(h))
 
 
+class ShortConv(torch.nn.Module):
+    """A causal depthwise convolution over the 32 channels of a whole input (a short convolution), then a projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv1d(32, 32, 3, groups=32, padding=2)
+        self.down = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: the model's input, whole on every rank
+        return self.down(self.conv(x.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2))
+
+
 class PaddedTokens(torch.nn.Module):
     """A split width through ops without a row in the op table: F.pad along the tokens, a max over them."""
 
@@ -156,4 +168,18 @@ def test_gate_of_merged_heads_is_padded_by_heads(ws: int, normed: bool) -> None:
     assert warned == []
     assert sm.plan.parameters["gate.weight"].local_shape == sm.plan.parameters["qkv.0.weight"].local_shape
     assert sm.plan.parameters["gate.weight"].local_shape[0] == -(-4 // ws) * 8
+    _equal(model, sm)
+
+
+@pytest.mark.parametrize("ws", [3, 5])
+def test_depthwise_convolution_pads_its_channels(ws: int) -> None:
+    """32 channels at 3 and 5 ranks: a depthwise convolution of a whole input takes a zero-padded block of the
+    channels (a local slice) and its kernel cut alike, the projection after it a row split; before, the
+    convolution was kept whole with a warning that the groups do not divide."""
+    torch.manual_seed(0)
+    model = ShortConv()
+    sm, warned = _shard(model, ws)
+    assert warned == []
+    assert sm.plan.parameters["conv.weight"].local_shape == (-(-32 // ws), 1, 3)
+    assert sm.plan.parameters["down.weight"].role == "row"
     _equal(model, sm)

@@ -28,7 +28,8 @@ from typing import Any, Optional
 from torch.fx import Node
 
 from tpcompile.layouts import dim_layout
-from tpcompile.placement import PARTIAL, REPLICATE, ParamSlice, Replicate, Shard, moved, pad_cuts, param_cut
+from tpcompile.placement import (PARTIAL, REPLICATE, ParamSlice, Replicate, Shard, moved, pad_cuts, padded_size,
+                                 param_cut)
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, param_behind
 from tpcompile.sharding_rules.table import RuleSpec
@@ -111,12 +112,16 @@ def _grouped(node: Node, spec: RuleSpec, ctx: RuleContext, tensors: list) -> Res
         return Result(REPLICATE, whole, role="replicated", params=kept)
     if src is None:
         return Result(REPLICATE, whole, conflict="grouped convolution with a computed weight on a split input")
+    channels = ctx.shape(x)[1] if ctx.shape(x) is not None and len(ctx.shape(x)) > 1 else None
+    if isinstance(px, Replicate) and groups % ctx.world_size and groups == channels and channels >= ctx.world_size:
+        # depthwise on a whole input, its channels zero-padded to a multiple of the ranks: a local slice each
+        padded = Shard(1, cuts=pad_cuts(padded_size(channels, ctx.world_size), ctx.world_size))
+        return _own_groups(node, spec, ctx, src, padded, "column", padded)
     if isinstance(px, Replicate):  # a whole input: this rank's groups' channels are a local slice of it
         if groups % ctx.world_size:
             return Result(REPLICATE, whole, role="replicated", params=kept,
                           demote_self=f"{groups} groups not divisible by world size {ctx.world_size}")
         return _own_groups(node, spec, ctx, src, Shard(1), "column")
-    channels = ctx.shape(x)[1] if ctx.shape(x) is not None and len(ctx.shape(x)) > 1 else None
     if _padded_channels(px, channels) and groups == channels:  # depthwise on zero-padded channels (Mamba's)
         return _own_groups(node, spec, ctx, src, px, "channels", Shard(1, cuts=px.cuts))
     if groups == channels and (_segmented_channels(px) or _pieced_channels(px)):
