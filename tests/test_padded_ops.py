@@ -64,6 +64,21 @@ class GatedAttention(torch.nn.Module):
         return self.o(torch.sigmoid(self.gate(x)) * self.norm(h))
 
 
+class GateViewAs(torch.nn.Module):
+    """A gate viewed as the attention heads it multiplies (`view_as`), per head before they are merged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(3))
+        self.gate, self.o = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, 4, 8).transpose(1, 2) for p in self.qkv)
+        h = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        return self.o((h * torch.sigmoid(self.gate(x)).view_as(h)).reshape(b, t, 32))
+
+
 class ShortConv(torch.nn.Module):
     """A causal depthwise convolution over the 32 channels of a whole input (a short convolution), then a projection."""
 
@@ -182,4 +197,18 @@ def test_depthwise_convolution_pads_its_channels(ws: int) -> None:
     assert warned == []
     assert sm.plan.parameters["conv.weight"].local_shape == (-(-32 // ws), 1, 3)
     assert sm.plan.parameters["down.weight"].role == "row"
+    _equal(model, sm)
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_view_as_the_heads_keeps_them_split(ws: int) -> None:
+    """view_as takes the layout of the value it reshapes as: the gate is cut by whole heads like the attention
+    (4 heads at 2 ranks, and at 3 zero-padded), one all-reduce after the output projection; before, view_as had no
+    rule for a padded split at 3 ranks and the projections were replicated, warned."""
+    torch.manual_seed(0)
+    model = GateViewAs()
+    sm, warned = _shard(model, ws)
+    assert warned == []
+    assert sm.plan.parameters["gate.weight"].local_shape == sm.plan.parameters["qkv.0.weight"].local_shape
+    assert sorted(op for op, _ in sm.collectives()) == ["all_reduce"]
     _equal(model, sm)

@@ -220,7 +220,7 @@ def _head_size(value: Node, width: int) -> Optional[int]:
             seen.add(u)
             spec = lookup(u.target)
             val = u.meta.get("val")
-            heads = _heads_dim(val, width) if spec is not None and spec.rule == "reshape" else None
+            heads = _heads_dim(val, width) if spec is not None and spec.rule in ("reshape", "view_as") else None
             # (.., h, d) or (.., h, 3, d): d or 3d a head; one head (multi-query) of the value, not of its product
             if heads is not None and _last_dim(n) == width and not (heads == 1 and mixed):
                 return width // heads
