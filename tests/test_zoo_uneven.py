@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 pytest.importorskip("transformers")
-from bench import zoo  # noqa: E402
+from bench import zoo, zoo_uneven  # noqa: E402
 
 
 @pytest.mark.parametrize("arch", ["bamba", "falcon_h1"])
@@ -26,3 +26,29 @@ def test_mamba_mixers_split_at_three_ranks(arch: str) -> None:
     assert row["equal"], row.get("reason")
     assert row["warnings"] == []
     assert row["share"] * 3 < 1.35
+
+
+def test_docs_section_is_the_cache_rendered() -> None:
+    """docs/architectures.md's section on the zoo at 3 ranks is what bench/zoo_uneven.py makes of its cache and the
+    zoo's own rows, never typed."""
+    meta, rows = zoo.load_cache(zoo_uneven.CACHE)
+    text = zoo.DOCS.read_text(encoding="utf-8")
+    assert zoo_uneven.BEGIN in text and zoo_uneven.END in text, "python -m bench.zoo_uneven --render writes it"
+    section = zoo_uneven.BEGIN + text.split(zoo_uneven.BEGIN, 1)[1].split(zoo_uneven.END, 1)[0] + zoo_uneven.END
+    names = [n for n in zoo.zoo_types() if n in rows]
+    want = zoo_uneven.render({n: rows[n] for n in names}, zoo.load_cache(zoo.CACHE)[1], meta)
+    assert section + "\n" == want, "stale: python -m bench.zoo_uneven --render"
+
+
+def test_a_warning_of_a_kind_seen_at_two_ranks_is_not_new() -> None:
+    """The bar counts only warnings of a kind shard did not give at 2 and 4 ranks (numbers and names blanked)."""
+    base = {"ws": {"2": {"warnings": ["aten.mean.dim (mean_1) at m.layers.0.attn: reduces over dim 2"]}}}
+    row = {"ws": {"3": {"equal": True, "balanced": 1.0, "warnings": [
+        "aten.mean.dim (mean_4) at m.layers.1.attn: reduces over dim 2",
+        "aten.view.default (view) at m.layers.0.attn: reshape of a dim padded from 64 to 66 cuts through"]}}}
+    assert zoo_uneven.new_warnings(row["ws"]["3"]["warnings"], base) == [row["ws"]["3"]["warnings"][1]]
+    assert zoo_uneven.verdict(row, base) == (False, row["ws"]["3"]["warnings"][1])
+    row["ws"]["3"]["warnings"].pop()
+    assert zoo_uneven.verdict(row, base) == (True, "")
+    row["ws"]["3"]["balanced"] = 1.2
+    assert zoo_uneven.verdict(row, base)[0] is False
