@@ -135,6 +135,13 @@ def test_layer_norm_over_a_padded_split_merges_statistics(ws: int) -> None:
     got = tpcompile.simulate_ranks(ws, lambda r: sgd_losses(sm.rank(r).train(), xs, lr=0.1))
     for losses in got:
         assert losses == pytest.approx(want, rel=1e-4, abs=1e-6)
+    with torch.no_grad():  # features far from zero (~1000): merged from deviations, x^2 - mean^2 would cancel
+        model.up.bias.add_(1000.0)
+        x = torch.randn(3, 7, 32)
+        exact = copy.deepcopy(model).double()(x.double())
+        own = float((model(x).double() - exact).abs().max())  # the original's own float32 error
+        for out in tpcompile.simulate(_shard(model, ws)[0], x):
+            assert float((out.double() - exact).abs().max()) <= 2 * own + 1e-5
 
 
 def test_layer_norm_without_weight_over_a_padded_split_stays_whole() -> None:

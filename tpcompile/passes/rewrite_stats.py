@@ -9,7 +9,8 @@ small collective, combined exactly on every rank (sharding_rules/reductions.py c
 - var / std: each rank's mean and sum of squared deviations, gathered and merged (Chan et al.).
 - LayerNorm, RMSNorm, softmax, log_softmax: two values per row (RMSNorm one) gathered with
   `all_gather`, whose backward reduce-scatters the partial gradients of the statistics; each rank
-  normalises its own slice. Statistics are computed in float32 (float64 for float64 inputs), as
+  normalises its own slice (a LayerNorm over a zero-padded split: the mean and squared deviations of the rank's
+  real entries, merged with the ranks' counts). Statistics are computed in float32 (float64 for float64 inputs), as
   the fused kernels do, and the result is cast to the op's dtype.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sympy
 import torch
 from torch.fx import Node
 
+from tpcompile.layouts import dim_layout
 from tpcompile.passes.rewrite_sizes import size_node
 from tpcompile.passes.rewrite_slices import zero_padding
 from tpcompile.placement import is_seq, local_shape, shape_key
@@ -181,15 +183,8 @@ def _norm(o: _Ops, node: Node, lookup: Lookup) -> Node:
         ranks = o.gather(tp.all_gather.default, sq, -1, [*o.local[:-1], 1])  # (..., ws)
         ms = o.call(aten.div.Scalar, o.call(aten.sum.dim_IntList, ranks, [-1], True), total)
         y = o.call(aten.mul.Tensor, x, o.call(aten.rsqrt.default, o.call(aten.add.Scalar, ms, eps)))
-    elif o.p.padding is not None:  # zero-padded: each rank's sum and sum of squares, over the real size
-        sums = o.call(aten.cat.default, [o.call(aten.sum.dim_IntList, x, [-1], True),
-                                         o.call(aten.sum.dim_IntList, o.call(aten.pow.Tensor_Scalar, x, 2), [-1], True)], -1)
-        ranks = o.gather(tp.all_gather.default, sums, -1, [*o.local[:-1], 2])  # (..., 2 * ws)
-        both = o.call(aten.sum.dim_IntList, o.call(aten.unflatten.int, ranks, -1, [o.ws, 2]), [-2])
-        mu = o.call(aten.div.Scalar, o.call(aten.select.int, both, -1, 0), total)
-        mu = o.call(aten.unsqueeze.default, mu, -1)
-        sq = o.call(aten.unsqueeze.default, o.call(aten.div.Scalar, o.call(aten.select.int, both, -1, 1), total), -1)
-        var = o.call(aten.sub.Tensor, sq, o.call(aten.pow.Tensor_Scalar, mu, 2))
+    elif o.p.padding is not None:  # zero-padded: Chan's merge over each rank's count of real entries
+        mu, var = _padded_moments(o, x, total)
         y = o.call(aten.mul.Tensor, o.call(aten.sub.Tensor, x, mu),
                    o.call(aten.rsqrt.default, o.call(aten.add.Scalar, var, eps)))
     else:
@@ -213,6 +208,35 @@ def _norm(o: _Ops, node: Node, lookup: Lookup) -> Node:
     if isinstance(bias, Node):
         y = o.call(aten.add.Tensor, y, lookup(bias))
     return o.cast(y)
+
+
+def _padded_moments(o: _Ops, x: Node, total: int) -> tuple[Node, Node]:
+    """Mean and (biased) variance over the zero-padded last dim of x: each rank's mean and sum of squared deviations
+    over its real entries (the layout's runs, padding left out), gathered and merged with every rank's count n_r
+    (Chan et al.; not from sums of x and x^2, which cancel when the mean is far from zero)."""
+    layout = dim_layout(o.p, total, o.ws)
+    counts = [sum(n for _, _, n, _ in layout.runs(r)) for r in range(o.ws)]
+    real = [o.call(aten.narrow.default, x, -1, at, n) for _, at, n, _ in layout.runs(o.em.rank) if n]
+    if not real:  # a rank past the last entry: no mean, no deviations
+        mean = m2 = o.call(aten.mul.Scalar, o.call(aten.sum.dim_IntList, x, [-1], True), 0.0)
+    else:
+        xr = real[0] if len(real) == 1 else o.call(aten.cat.default, real, -1)
+        mean = o.call(aten.mean.dim, xr, [-1], True)
+        m2 = o.call(aten.sum.dim_IntList, o.call(aten.pow.Tensor_Scalar, o.call(aten.sub.Tensor, xr, mean), 2),
+                    [-1], True)
+    ranks = o.gather(tp.all_gather.default, o.call(aten.cat.default, [mean, m2], -1), -1, [*o.local[:-1], 2])
+    ranks = o.call(aten.unflatten.int, ranks, -1, [o.ws, 2])  # (..., ws, 2)
+    means = [o.call(aten.select.int, o.call(aten.select.int, ranks, -2, r), -1, 0) for r in range(o.ws)]
+    mu = means[0] if counts[0] == total else o.call(aten.mul.Scalar, means[0], counts[0] / total)
+    for r in range(1, o.ws):
+        mu = o.call(aten.add.Tensor, mu, o.call(aten.mul.Scalar, means[r], counts[r] / total))
+    m2s = o.call(aten.sum.dim_IntList, o.call(aten.select.int, ranks, -1, 1), [-1])
+    for r in range(o.ws):  # the spread of the ranks' means about the whole one, each weighted by its count
+        if counts[r]:
+            dev = o.call(aten.pow.Tensor_Scalar, o.call(aten.sub.Tensor, means[r], mu), 2)
+            m2s = o.call(aten.add.Tensor, m2s, o.call(aten.mul.Scalar, dev, counts[r]))
+    var = o.call(aten.div.Scalar, o.call(aten.unsqueeze.default, m2s, -1), total)
+    return o.call(aten.unsqueeze.default, mu, -1), var
 
 
 def _softmax(o: _Ops, node: Node, lookup: Lookup) -> Node:
