@@ -79,6 +79,20 @@ class GateViewAs(torch.nn.Module):
         return self.o((h * torch.sigmoid(self.gate(x)).view_as(h)).reshape(b, t, 32))
 
 
+class RowsPerHead(torch.nn.Module):
+    """Heads folded with the batch and the tokens into rows, (B * T * h, d), a per-row norm, then back to (B, T, h * d)
+    (the chunked gated delta rule's layout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.o = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        rows = self.q(x).view(b, t, 4, 8).reshape(b * t * 4, 8)
+        return self.o(F.normalize(rows, dim=-1).reshape(b, t, 32))
+
+
 class ShortConv(torch.nn.Module):
     """A causal depthwise convolution over the 32 channels of a whole input (a short convolution), then a projection."""
 
@@ -217,5 +231,19 @@ def test_view_as_the_heads_keeps_them_split(ws: int) -> None:
     sm, warned = _shard(model, ws)
     assert warned == []
     assert sm.plan.parameters["gate.weight"].local_shape == sm.plan.parameters["qkv.0.weight"].local_shape
+    assert sorted(op for op, _ in sm.collectives()) == ["all_reduce"]
+    _equal(model, sm)
+
+
+@pytest.mark.parametrize("ws", [3, 5])
+def test_heads_folded_into_rows_and_back(ws: int) -> None:
+    """4 heads at 3 and 5 ranks, zero-padded, folded with the batch and tokens into rows and merged back with the
+    head dim: the merge keeps the heads split (padded by whole heads), one all-reduce; before, the merge back
+    "cut through the padding" and the projections were replicated, warned."""
+    torch.manual_seed(0)
+    model = RowsPerHead()
+    sm, warned = _shard(model, ws)
+    assert warned == []
+    assert sm.plan.parameters["q.weight"].role == "column" and sm.plan.parameters["o.weight"].role == "row"
     assert sorted(op for op, _ in sm.collectives()) == ["all_reduce"]
     _equal(model, sm)

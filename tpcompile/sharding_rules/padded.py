@@ -54,7 +54,8 @@ def _folded_reshape(p: Shard, gi: Sequence[int], gj: Sequence[int], ins: Sequenc
                     why: str) -> tuple[Optional[Shard], str]:
     """Padded heads folded with the dims before them and back: (B, heads, T, d) <-> (B * heads, T, d), as XGLM's
     and BART's attention computes scores. The folded dim is `outer` repetitions of the padded heads; the dims
-    after the heads stay as they are."""
+    after the heads stay as they are, or merge with them when the repetitions unfold into the dims before
+    ((B * T * heads, d) -> (B, T, heads * d), the chunked gated delta rule's), padded by whole heads."""
     t = gi.index(p.dim)
     inner = prod([ins[d] for d in gi[t + 1:]])
     real = ins[p.dim] if p.outer is None else exact_size(sympy.sympify(ins[p.dim]) / sympy.sympify(p.outer))
@@ -67,6 +68,10 @@ def _folded_reshape(p: Shard, gi: Sequence[int], gj: Sequence[int], ins: Sequenc
         m = exact_size(sympy.sympify(outs[d]) / sympy.sympify(real))  # repetitions folded into this dim
         if m is not None and sizes_equal(prod([outs[e] for e in gj[:u]]) * m, count):
             return Shard(d, outer=None if m == 1 else m, cuts=p.cuts), ""
+    for u, d in enumerate(gj):  # unfolded, the heads merged with the dims after them: (B*T*h, d) -> (B, T, h*d)
+        if prod([outs[e] for e in gj[u + 1:]]) == 1 and sizes_equal(outs[d], real * inner) \
+                and sizes_equal(prod([outs[e] for e in gj[:u]]), count) and isinstance(p.padded, int):
+            return Shard(d, cuts=pad_cuts(p.padded * inner, len(p.cuts[0]) - 1)), ""
     return None, why
 
 
