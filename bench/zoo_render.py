@@ -129,11 +129,16 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any], *, missing: int = 0
 
 def write_section(docs: Path, rows: list[dict[str, Any]], meta: dict[str, Any], *, missing: int = 0) -> None:
     """Replace the zoo section of `docs` (between the markers), or add it at the end."""
+    replace_section(docs, render(rows, meta, missing=missing), BEGIN, END)
+
+
+def replace_section(docs: Path, section: str, begin: str, end: str) -> None:
+    """Replace what lies between the markers `begin` and `end` of `docs` by `section` (which holds them), or add it
+    at the end."""
     text = docs.read_text(encoding="utf-8") if docs.exists() else ""
-    section = render(rows, meta, missing=missing)
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + section.rstrip("\n") + rest.split(END, 1)[1]
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + section.rstrip("\n") + rest.split(end, 1)[1]
     else:
         text = text.rstrip("\n") + "\n\n" + section
     docs.write_text(text, encoding="utf-8")

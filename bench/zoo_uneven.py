@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from bench import zoo  # noqa: E402
-from bench.zoo_render import _cell, _pct, failure_class  # noqa: E402
+from bench.zoo_render import _cell, _pct, failure_class, replace_section  # noqa: E402
 
 CACHE = ROOT / "bench" / "results" / "zoo_ws3.json"
 WORLD_SIZE = 3
@@ -87,17 +87,6 @@ def render(rows: dict[str, Any], base: dict[str, Any], meta: dict[str, Any]) -> 
     return "\n".join(lines + ["", END]) + "\n"
 
 
-def write_section(docs: Path, section: str) -> None:
-    """Replace the section between the markers of `docs`, or add it at the end."""
-    text = docs.read_text(encoding="utf-8")
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + section.rstrip("\n") + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    docs.write_text(text, encoding="utf-8")
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", action="append", default=[], metavar="NAME", help="this model type (repeatable)")
@@ -123,7 +112,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               file=sys.stderr)
         return 1
     base = zoo.load_cache(zoo.CACHE)[1]
-    write_section(args.docs, render(rows, base, zoo.load_cache(args.cache)[0]))
+    replace_section(args.docs, render(rows, base, zoo.load_cache(args.cache)[0]), BEGIN, END)
     print(f"wrote the zoo_uneven section of {args.docs} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
     return 0
 
