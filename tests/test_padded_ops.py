@@ -93,6 +93,24 @@ class RowsPerHead(torch.nn.Module):
         return self.o(F.normalize(rows, dim=-1).reshape(b, t, 32))
 
 
+class AlibiAttention(torch.nn.Module):
+    """Scores of heads folded with the batch, (B * h, T, T), from baddbmm on a whole ALiBi bias (B * h, 1, T)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(3))
+        self.o = torch.nn.Linear(32, 32)
+        self.register_buffer("slopes", torch.tensor([0.5, 0.25, 0.125, 0.0625]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, 4, 8).transpose(1, 2).reshape(b * 4, t, 8) for p in self.qkv)
+        pos = torch.arange(t, dtype=x.dtype, device=x.device)
+        bias = (self.slopes.view(1, 4, 1, 1) * pos.view(1, 1, 1, t)).expand(b, 4, 1, t).reshape(b * 4, 1, t)
+        weights = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=8 ** -0.5).softmax(-1)
+        return self.o(torch.bmm(weights, v).view(b, 4, t, 8).transpose(1, 2).reshape(b, t, 32))
+
+
 class ShortConv(torch.nn.Module):
     """A causal depthwise convolution over the 32 channels of a whole input (a short convolution), then a projection."""
 
@@ -245,5 +263,19 @@ def test_heads_folded_into_rows_and_back(ws: int) -> None:
     sm, warned = _shard(model, ws)
     assert warned == []
     assert sm.plan.parameters["q.weight"].role == "column" and sm.plan.parameters["o.weight"].role == "row"
+    assert sorted(op for op, _ in sm.collectives()) == ["all_reduce"]
+    _equal(model, sm)
+
+
+@pytest.mark.parametrize("ws", [3, 5])
+def test_whole_bias_beside_heads_folded_with_the_batch(ws: int) -> None:
+    """baddbmm (no row in the op table) of heads folded with the batch, zero-padded at 3 and 5 ranks, and a whole ALiBi
+    bias as large on that dim: DTensor's strategy asked at the padded size, the bias cut locally by the same heads
+    (Bloom's attention); before, the op was left to replicate the projections, warned."""
+    torch.manual_seed(0)
+    model = AlibiAttention()
+    sm, warned = _shard(model, ws)
+    assert warned == []
+    assert sm.plan.parameters["qkv.0.weight"].role == "column" and sm.plan.parameters["o.weight"].role == "row"
     assert sorted(op for op, _ in sm.collectives()) == ["all_reduce"]
     _equal(model, sm)

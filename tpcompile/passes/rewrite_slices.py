@@ -40,6 +40,12 @@ def local_slice(em: Any, src: Node, node: Node, p: Shard, sync: bool = True, pie
     if sync and (val.is_floating_point() or val.is_complex()):
         src = em.call(tp.grad_all_reduce.default, src, em.plan.group)
     size = to_size(val.shape[p.dim])
+    if p.outer is not None and p.padded is not None:  # (outer * heads, ...): the rank's padded block of each
+        block = int(sympy.simplify(sympy.sympify(size) / sympy.sympify(p.outer)))
+        x = em.call(aten.unflatten.int, src, p.dim, [-1, block])
+        runs = dim_layout(p, block, em.ws).runs(em.rank)
+        x = _blocks(em, x, p.dim + 1, val.dim() + 1, [(start, n, blk) for start, _, n, blk in runs])
+        return em.call(aten.flatten.using_ints, x, p.dim, p.dim + 1)
     if p.padded is not None or p.rank_cuts or p.seg_padded:  # this rank's piece of each segment, or its block of
         runs = dim_layout(p, int(size), em.ws).runs(em.rank)  # the padded dim, its padding zeros (empty past the end)
         return _blocks(em, src, p.dim, val.dim(), [(start, n, block) for start, _, n, block in runs])

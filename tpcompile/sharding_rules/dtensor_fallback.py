@@ -8,9 +8,10 @@ communication: every input stays as it is or is a local slice of a replicated va
 outputs are Shard or Replicate (no pending sum), and no size argument has to change. Anything
 DTensor cannot say about our own layouts of a split dim (segments, pieces shared by ranks,
 folded batch x heads) is asked as a plain split of that dim and carried over when the op keeps
-that dim's size; a zero-padded split is asked as a plain split of the padded size (what the ranks
-hold, the padding then not zero: a rule that needs zeros there reads `zero_padded`), zero-padded
-segments stay with tpcompile's own rules. An op DTensor cannot place is replicated as before.
+that dim's size; a zero-padded split (heads, or heads folded with the batch) is asked as a plain
+split of the padded size, with any whole operand as large on that dim (what the ranks hold, the
+padding then not zero: a rule that needs zeros there reads `zero_padded`); zero-padded segments
+stay with tpcompile's own rules. An op DTensor cannot place is replicated as before.
 
 Shapes are the capture's (each symbolic size at its example value); an output split on a dim
 the world size does not divide is refused, since our shards are even; and every answer is run
@@ -102,6 +103,7 @@ class _Schema:
         self.layouts: set[Shard] = set()  # how the split inputs are laid out along their split dim (dim 0 here)
         self.split_sizes: set[int] = set()  # the sizes of their split dims
         self.key: list[Any] = []
+        self.grown = _grown(node, ctx)  # inputs asked at a zero-padded size
 
     def arg(self, a: Any) -> Any:
         if isinstance(a, Node):
@@ -128,12 +130,13 @@ class _Schema:
         p = self.ctx.placement(n)
         self.key.append((tuple(shape), val.dtype, p))
         if isinstance(p, Shard):
-            if (p.padding is not None and not p.plain_padded) or p.split_next is not None:
+            if (p.padding is not None and not _padded(p)) or p.split_next is not None:
                 raise _Unsupported(f"{p}: segments zero-padded or a split of the next dim")
             self.layouts.add(replace(p, dim=0))
             self.split_sizes.add(shape[p.dim])
-            if p.plain_padded:  # asked, and checked, at the padded size that the ranks split evenly
-                shape = torch.Size([*shape[:p.dim], p.padded, *shape[p.dim + 1:]])
+        if n in self.grown:  # asked, and checked, at the padded size that the ranks split evenly
+            dim, size = self.grown[n]
+            shape = torch.Size([*shape[:dim], size, *shape[dim + 1:]])
         stride, acc = [], 1
         for s in reversed(shape):  # contiguous strides of the example shape
             stride.insert(0, acc)
@@ -142,6 +145,26 @@ class _Schema:
         self.shapes.append(shape)
         placed = DShard(p.dim) if isinstance(p, Shard) else DReplicate()
         return DTensorSpec(self.mesh, (placed,), TensorMeta(shape, tuple(stride), val.dtype))
+
+
+def _padded(p: Shard) -> bool:
+    """One segment zero-padded (heads, or `outer` repetitions of padded heads: batch x heads folded)."""
+    return p.padded is not None and p.pieces is None and not p.seq
+
+
+def _grown(node: Node, ctx: RuleContext) -> dict[Node, tuple[int, int]]:
+    """(dim, padded size) of the inputs split zero-padded, and of the whole ones as large as they are on that dim
+    (an ALiBi bias of batch x heads beside queries split by padded heads), which DTensor then sees alike."""
+    tensors = [n for n in node.all_input_nodes if ctx.is_tensor(n)]
+    split = [(n, p) for n in tensors if isinstance(p := ctx.placement(n), Shard) and _padded(p)]
+    if not split:
+        return {}
+    n0, p0 = split[0]
+    real = _hint(n0.meta["val"].shape[p0.dim])
+    size = p0.padded * (1 if p0.outer is None else _outer_value(node)(p0.outer))
+    whole = [n for n in tensors if isinstance(ctx.placement(n), Replicate)
+             and n.meta["val"].dim() == n0.meta["val"].dim() and _hint(n.meta["val"].shape[p0.dim]) == real]
+    return {n: (p.dim, size) for n, p in split} | {n: (p0.dim, size) for n in whole}
 
 
 def _leaves(schema: Any) -> list[Any]:
