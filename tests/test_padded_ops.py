@@ -111,6 +111,18 @@ class AlibiAttention(torch.nn.Module):
         return self.o(torch.bmm(weights, v).view(b, 4, t, 8).transpose(1, 2).reshape(b, t, 32))
 
 
+class StackedGateMLP(torch.nn.Module):
+    """A gated MLP whose one projection is viewed as (gate, up) stacked, (.., 2, 50), as Moshi's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(32, 100), torch.nn.Linear(50, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x).view(*x.shape[:-1], 2, 50)
+        return self.fc2(F.silu(h[..., 0, :]) * h[..., 1, :])
+
+
 class ShortConv(torch.nn.Module):
     """A causal depthwise convolution over the 32 channels of a whole input (a short convolution), then a projection."""
 
@@ -278,4 +290,18 @@ def test_whole_bias_beside_heads_folded_with_the_batch(ws: int) -> None:
     assert warned == []
     assert sm.plan.parameters["qkv.0.weight"].role == "column" and sm.plan.parameters["o.weight"].role == "row"
     assert sorted(op for op, _ in sm.collectives()) == ["all_reduce"]
+    _equal(model, sm)
+
+
+@pytest.mark.parametrize("ws", [3, 4])
+def test_stacked_gate_and_up_stay_split(ws: int) -> None:
+    """A projection of gate and up viewed as a dim of 2: each of the 50 features split (zero-padded at 3 and 4
+    ranks) along the last dim, the output projection a row split; before, the view "cut through the padding" and
+    the MLP was replicated, warned."""
+    torch.manual_seed(0)
+    model = StackedGateMLP()
+    sm, warned = _shard(model, ws)
+    assert warned == []
+    assert sm.plan.parameters["fc1.weight"].role == "column" and sm.plan.parameters["fc2.weight"].role == "row"
+    assert sm.plan.parameters["fc2.weight"].local_shape == (32, -(-50 // ws))
     _equal(model, sm)
