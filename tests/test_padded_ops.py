@@ -163,6 +163,20 @@ def _equal(model: torch.nn.Module, sm: tpcompile.ShardedModel) -> None:
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
 
 
+def _split(model: torch.nn.Module, ws: int, column: tuple[str, ...] = (), row: tuple[str, ...] = (),
+           one_all_reduce: bool = False) -> tpcompile.ShardedModel:
+    """`model` sharded at `ws` ranks without a warning, the `column` and `row` weights split so, (one all-reduce a
+    forward), its outputs equal the original's."""
+    sm, warned = _shard(model, ws)
+    assert warned == []
+    roles = {n: p.role for n, p in sm.plan.parameters.items()}
+    assert all(roles[n] == "column" for n in column) and all(roles[n] == "row" for n in row), roles
+    if one_all_reduce:
+        assert sorted(op for op, _ in sm.collectives()) == ["all_reduce"]
+    _equal(model, sm)
+    return sm
+
+
 @pytest.mark.parametrize("ws", [3, 6])
 def test_layer_norm_over_a_padded_split_merges_statistics(ws: int) -> None:
     """100 features at 3 and 6 ranks, zero-padded: the LayerNorm merges the ranks' sums (no warning, the projections
@@ -203,12 +217,7 @@ def test_norm_after_attention_with_padded_heads() -> None:
     """4 heads at 3 ranks (2|2|0 heads, zero-padded): attention keeps the padded heads zero, so the written-out
     norm's mean over the heads' features is the ranks' summed sums; the projections are split, no warning."""
     torch.manual_seed(0)
-    model = SubNormAttention()
-    sm, warned = _shard(model, 3)
-    assert warned == []
-    assert {sm.plan.parameters[f"qkv.{i}.weight"].role for i in range(3)} == {"column"}
-    assert sm.plan.parameters["o.weight"].role == "row"
-    _equal(model, sm)
+    _split(SubNormAttention(), 3, tuple(f"qkv.{i}.weight" for i in range(3)), ("o.weight",))
 
 
 @pytest.mark.parametrize("ws", [3, 6])
@@ -216,12 +225,7 @@ def test_ops_without_a_rule_take_a_padded_split(ws: int) -> None:
     """F.pad and max over the tokens of a zero-padded width: placed by DTensor's strategies at the padded size,
     the width stays split (one all-reduce, after the row split); outputs equal the original's."""
     torch.manual_seed(0)
-    model = PaddedTokens()
-    sm, warned = _shard(model, ws)
-    assert warned == []
-    assert sm.plan.parameters["up.weight"].role == "column" and sm.plan.parameters["down.weight"].role == "row"
-    assert sorted(op for op, _ in sm.collectives()) == ["all_reduce"]
-    _equal(model, sm)
+    _split(PaddedTokens(), ws, ("up.weight",), ("down.weight",), one_all_reduce=True)
 
 
 @pytest.mark.parametrize("ws,normed", [(3, False), (5, False), (3, True)])
@@ -230,12 +234,9 @@ def test_gate_of_merged_heads_is_padded_by_heads(ws: int, normed: bool) -> None:
     at 3 and 5 ranks, padded): before, its own padding by features met the heads' and both projections were
     replicated, warned."""
     torch.manual_seed(0)
-    model = GatedAttention(normed)
-    sm, warned = _shard(model, ws)
-    assert warned == []
+    sm = _split(GatedAttention(normed), ws)
     assert sm.plan.parameters["gate.weight"].local_shape == sm.plan.parameters["qkv.0.weight"].local_shape
     assert sm.plan.parameters["gate.weight"].local_shape[0] == -(-4 // ws) * 8
-    _equal(model, sm)
 
 
 @pytest.mark.parametrize("ws", [3, 5])
@@ -244,12 +245,8 @@ def test_depthwise_convolution_pads_its_channels(ws: int) -> None:
     channels (a local slice) and its kernel cut alike, the projection after it a row split; before, the
     convolution was kept whole with a warning that the groups do not divide."""
     torch.manual_seed(0)
-    model = ShortConv()
-    sm, warned = _shard(model, ws)
-    assert warned == []
+    sm = _split(ShortConv(), ws, row=("down.weight",))
     assert sm.plan.parameters["conv.weight"].local_shape == (-(-32 // ws), 1, 3)
-    assert sm.plan.parameters["down.weight"].role == "row"
-    _equal(model, sm)
 
 
 @pytest.mark.parametrize("ws", [2, 3])
@@ -258,12 +255,8 @@ def test_view_as_the_heads_keeps_them_split(ws: int) -> None:
     (4 heads at 2 ranks, and at 3 zero-padded), one all-reduce after the output projection; before, view_as had no
     rule for a padded split at 3 ranks and the projections were replicated, warned."""
     torch.manual_seed(0)
-    model = GateViewAs()
-    sm, warned = _shard(model, ws)
-    assert warned == []
+    sm = _split(GateViewAs(), ws, one_all_reduce=True)
     assert sm.plan.parameters["gate.weight"].local_shape == sm.plan.parameters["qkv.0.weight"].local_shape
-    assert sorted(op for op, _ in sm.collectives()) == ["all_reduce"]
-    _equal(model, sm)
 
 
 @pytest.mark.parametrize("ws", [3, 5])
@@ -272,12 +265,7 @@ def test_heads_folded_into_rows_and_back(ws: int) -> None:
     head dim: the merge keeps the heads split (padded by whole heads), one all-reduce; before, the merge back
     "cut through the padding" and the projections were replicated, warned."""
     torch.manual_seed(0)
-    model = RowsPerHead()
-    sm, warned = _shard(model, ws)
-    assert warned == []
-    assert sm.plan.parameters["q.weight"].role == "column" and sm.plan.parameters["o.weight"].role == "row"
-    assert sorted(op for op, _ in sm.collectives()) == ["all_reduce"]
-    _equal(model, sm)
+    _split(RowsPerHead(), ws, ("q.weight",), ("o.weight",), one_all_reduce=True)
 
 
 @pytest.mark.parametrize("ws", [3, 5])
@@ -286,12 +274,7 @@ def test_whole_bias_beside_heads_folded_with_the_batch(ws: int) -> None:
     bias as large on that dim: DTensor's strategy asked at the padded size, the bias cut locally by the same heads
     (Bloom's attention); before, the op was left to replicate the projections, warned."""
     torch.manual_seed(0)
-    model = AlibiAttention()
-    sm, warned = _shard(model, ws)
-    assert warned == []
-    assert sm.plan.parameters["qkv.0.weight"].role == "column" and sm.plan.parameters["o.weight"].role == "row"
-    assert sorted(op for op, _ in sm.collectives()) == ["all_reduce"]
-    _equal(model, sm)
+    _split(AlibiAttention(), ws, ("qkv.0.weight",), ("o.weight",), one_all_reduce=True)
 
 
 @pytest.mark.parametrize("ws", [3, 4])
@@ -300,12 +283,8 @@ def test_stacked_gate_and_up_stay_split(ws: int) -> None:
     ranks) along the last dim, the output projection a row split; before, the view "cut through the padding" and
     the MLP was replicated, warned."""
     torch.manual_seed(0)
-    model = StackedGateMLP()
-    sm, warned = _shard(model, ws)
-    assert warned == []
-    assert sm.plan.parameters["fc1.weight"].role == "column" and sm.plan.parameters["fc2.weight"].role == "row"
+    sm = _split(StackedGateMLP(), ws, ("fc1.weight",), ("fc2.weight",))
     assert sm.plan.parameters["fc2.weight"].local_shape == (32, -(-50 // ws))
-    _equal(model, sm)
 
 
 def _on_gloo(rank: int) -> dict:
