@@ -124,10 +124,11 @@ def check_wants(res: Result, placement: Any, own: Collection[Node] = ()) -> tupl
             if have == w.placement:
                 continue
         if isinstance(have, Replicate) and isinstance(w.placement, Shard) and w.placement.split_next is None \
-                and (w.placement.padding is None or w.placement.plain_padded
-                     or (w.placement.seg_padded and w.placement.outer is None and not w.placement.seq)
-                     or (w.placement.padded is not None and w.placement.pieces is None and not w.placement.seq)):
-            continue  # a local slice, no communication (passes/rewrite_slices.py when not plain)
+                and (w.placement.padding is None
+                     or (w.placement.padded is not None and w.placement.pieces is None and not w.placement.seq)
+                     or (w.placement.seg_padded and w.placement.outer is None and not w.placement.seq)):
+            continue  # a local slice, no communication (passes/rewrite_slices.py when not plain; padded heads,
+            # folded with the batch or not, and padded segments)
         if cut_from_shared(have, w.placement):
             continue  # whole on every rank (one shared piece): its padded part, sliced locally
         if is_seq(have) and isinstance(w.placement, Replicate):

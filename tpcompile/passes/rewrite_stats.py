@@ -211,12 +211,11 @@ def _norm(o: _Ops, node: Node, lookup: Lookup) -> Node:
 
 
 def _padded_moments(o: _Ops, x: Node, total: int) -> tuple[Node, Node]:
-    """Mean and (biased) variance over the zero-padded last dim of x: each rank's mean and sum of squared deviations
-    over its real entries (the layout's runs, padding left out), gathered and merged with every rank's count n_r
-    (Chan et al.; not from sums of x and x^2, which cancel when the mean is far from zero)."""
-    layout = dim_layout(o.p, total, o.ws)
-    counts = [sum(n for _, _, n, _ in layout.runs(r)) for r in range(o.ws)]
-    real = [o.call(aten.narrow.default, x, -1, at, n) for _, at, n, _ in layout.runs(o.em.rank) if n]
+    """Mean and (biased) variance over the zero-padded last dim of x: each rank's mean, sum of squared deviations and
+    count over its real entries (the layout's runs, padding left out), gathered and merged (Chan et al.; not from
+    sums of x and x^2, which cancel when the mean is far from zero)."""
+    runs = [(at, n) for _, at, n, _ in dim_layout(o.p, total, o.ws).runs(o.em.rank) if n]
+    real = [o.call(aten.narrow.default, x, -1, at, n) for at, n in runs]
     if not real:  # a rank past the last entry: no mean, no deviations
         mean = m2 = o.call(aten.mul.Scalar, o.call(aten.sum.dim_IntList, x, [-1], True), 0.0)
     else:
@@ -224,19 +223,15 @@ def _padded_moments(o: _Ops, x: Node, total: int) -> tuple[Node, Node]:
         mean = o.call(aten.mean.dim, xr, [-1], True)
         m2 = o.call(aten.sum.dim_IntList, o.call(aten.pow.Tensor_Scalar, o.call(aten.sub.Tensor, xr, mean), 2),
                     [-1], True)
-    ranks = o.gather(tp.all_gather.default, o.call(aten.cat.default, [mean, m2], -1), -1, [*o.local[:-1], 2])
-    ranks = o.call(aten.unflatten.int, ranks, -1, [o.ws, 2])  # (..., ws, 2)
-    means = [o.call(aten.select.int, o.call(aten.select.int, ranks, -2, r), -1, 0) for r in range(o.ws)]
-    mu = means[0] if counts[0] == total else o.call(aten.mul.Scalar, means[0], counts[0] / total)
-    for r in range(1, o.ws):
-        mu = o.call(aten.add.Tensor, mu, o.call(aten.mul.Scalar, means[r], counts[r] / total))
-    m2s = o.call(aten.sum.dim_IntList, o.call(aten.select.int, ranks, -1, 1), [-1])
-    for r in range(o.ws):  # the spread of the ranks' means about the whole one, each weighted by its count
-        if counts[r]:
-            dev = o.call(aten.pow.Tensor_Scalar, o.call(aten.sub.Tensor, means[r], mu), 2)
-            m2s = o.call(aten.add.Tensor, m2s, o.call(aten.mul.Scalar, dev, counts[r]))
-    var = o.call(aten.div.Scalar, o.call(aten.unsqueeze.default, m2s, -1), total)
-    return o.call(aten.unsqueeze.default, mu, -1), var
+    count = o.call(aten.full_like.default, mean, float(sum(n for _, n in runs)))
+    ranks = o.gather(tp.all_gather.default, o.call(aten.cat.default, [mean, m2, count], -1), -1, [*o.local[:-1], 3])
+    ranks = o.call(aten.unflatten.int, ranks, -1, [o.ws, 3])  # (..., ws, 3)
+    means, m2s, counts = (o.call(aten.select.int, ranks, -1, i) for i in range(3))
+    mu = o.call(aten.div.Scalar, o.call(aten.sum.dim_IntList, o.call(aten.mul.Tensor, means, counts), [-1], True), total)
+    spread = o.call(aten.mul.Tensor, counts, o.call(aten.pow.Tensor_Scalar, o.call(aten.sub.Tensor, means, mu), 2))
+    m2 = o.call(aten.add.Tensor, o.call(aten.sum.dim_IntList, m2s, [-1], True),
+                o.call(aten.sum.dim_IntList, spread, [-1], True))
+    return mu, o.call(aten.div.Scalar, m2, total)
 
 
 def _softmax(o: _Ops, node: Node, lookup: Lookup) -> Node:

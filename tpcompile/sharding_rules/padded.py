@@ -171,11 +171,13 @@ def zero_padded(x: Node, placement, depth: int = 24, rule: Any = None) -> bool:
     if name in _NORMS:  # normalised, times the weight's zero padding
         return len(x.args) > 2 and isinstance(x.args[2], Node) and isinstance(placement(x.args[2]), Shard)
     if name in _PADS:  # new entries along other dims of zeros (the mode constant, the value 0)
-        mode = x.args[2] if len(x.args) > 2 else x.kwargs.get("mode", "constant")
-        fill = x.args[3] if len(x.args) > 3 else x.kwargs.get("value")
-        fill = x.args[2] if name == "aten.constant_pad_nd.default" and len(x.args) > 2 else fill
-        return (name == "aten.constant_pad_nd.default" or mode == "constant") and not fill \
-            and isinstance(x.args[0], Node) and zero_padded(x.args[0], placement, depth - 1, rule)
+        if name == "aten.constant_pad_nd.default":
+            constant, fill = True, x.args[2] if len(x.args) > 2 else 0
+        else:
+            constant = (x.args[2] if len(x.args) > 2 else x.kwargs.get("mode", "constant")) == "constant"
+            fill = x.args[3] if len(x.args) > 3 else x.kwargs.get("value")
+        return constant and not fill and isinstance(x.args[0], Node) \
+            and zero_padded(x.args[0], placement, depth - 1, rule)
     if name in _MULTILINEAR:  # split, not summed: the padded dim is one the product keeps, zero in one factor
         ins = [a for a in x.all_input_nodes if isinstance(placement(a), Shard) and placement(a).padding is not None]
         return any(zero_padded(a, placement, depth - 1, rule) for a in ins)
