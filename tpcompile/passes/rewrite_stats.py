@@ -9,8 +9,8 @@ small collective, combined exactly on every rank (sharding_rules/reductions.py c
 - var / std: each rank's mean and sum of squared deviations, gathered and merged (Chan et al.).
 - LayerNorm, RMSNorm, softmax, log_softmax: two values per row (RMSNorm one) gathered with
   `all_gather`, whose backward reduce-scatters the partial gradients of the statistics; each rank
-  normalises its own slice (a LayerNorm over a zero-padded split: the mean and squared deviations of the rank's
-  real entries, merged with the ranks' counts). Statistics are computed in float32 (float64 for float64 inputs), as
+  normalises its own slice (a LayerNorm over a zero-padded split: the mean, squared deviations and count of the
+  rank's real entries, merged). Statistics are computed in float32 (float64 for float64 inputs), as
   the fused kernels do, and the result is cast to the op's dtype.
 """
 from __future__ import annotations
