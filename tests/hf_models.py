@@ -254,10 +254,13 @@ def balanced_bytes(model: torch.nn.Module, sm: Any) -> int:
     """The largest rank's parameter bytes if every parameter the plan splits were split balanced by whole units.
 
     A unit is one head (head_dim features) for a split segment of an attention module's parameter whose size
-    is a multiple of head_dim, one feature elsewhere; a segment of U units puts ceil(U / ws) of them on the
-    largest rank. Parameters the plan keeps whole count whole. The reference for "within one unit of balanced".
+    is a multiple of head_dim; in a Mamba-2 mixer one Mamba head of its inner segments and one group of its B and
+    C (`_mixer_unit`); in a module with block-diagonal weights (h, w, w) split by blocks (a recurrence's gates per
+    head, RecurrentGemma's), one block of w (`_block_units`); one feature elsewhere. A segment of U units puts ceil(U / ws) of them on the largest rank.
+    Parameters the plan keeps whole count whole. The reference for "within one unit of balanced".
     """
     cfg = model.config
+    mixer_unit, blocks = _mixer_unit(cfg), _block_units(sm)
 
     def head_dim_of(name: str) -> Optional[int]:  # an encoder-decoder's two stacks may differ in heads
         side = next((f"{s}_attention_heads" for s in ("encoder", "decoder") if f"{s}." in name), None)
@@ -277,8 +280,42 @@ def balanced_bytes(model: torch.nn.Module, sm: Any) -> int:
         rest = math.prod(shape) // shape[pp.dim]
         for seg in _projections(pp, ws) or (shape[pp.dim],):
             unit = head_dim if attn and head_dim and seg % head_dim == 0 else 1
+            if any(f".{m}." in n for m in ("mixer", "mamba")):
+                unit = mixer_unit(seg)
+            block = next((w for k, w in blocks.items() if n.startswith(k + ".") and seg % w == 0), None)
+            unit = block or unit
             total += -(-seg // unit // ws) * unit * rest * item
     return total
+
+
+def _block_units(sm: Any) -> dict[str, int]:
+    """Module path -> w for the modules holding (one level down) a block-diagonal weight (h, w, w) the plan splits by
+    its blocks: a block cannot be cut without gathering it, so w is the unit of the projections around it (not
+    experts' weights, square or not: an expert is the unit of its own weights only)."""
+    out = {}
+    for n, pp in sm.plan.parameters.items():
+        shape = tuple(pp.global_shape)
+        if pp.dim == 0 and len(shape) == 3 and shape[0] > 1 and shape[1] == shape[2] and "expert" not in n:
+            out[n.rsplit(".", 2)[0]] = shape[1]
+    return out
+
+
+def _mixer_unit(cfg: Any) -> Any:
+    """The unit of a Mamba-2 mixer's segment of `seg` features: a group's state (B and C, n_groups x d_state), a
+    Mamba head (the inner segments, a multiple of its head dim), else one feature (per-head values, Mamba-1)."""
+    def first(*keys: str) -> Optional[int]:
+        return next((getattr(cfg, k) for k in keys if isinstance(getattr(cfg, k, None), int)), None)
+
+    mamba2 = getattr(cfg, "model_type", "") == "mamba2"
+    head = first("mamba_d_head", "mamba_head_dim", "mamba_headdim", *(("head_dim",) if mamba2 else ()))
+    state = first("mamba_d_state", "ssm_state_size", *(("state_size",) if mamba2 else ()))
+    groups = first("mamba_n_groups", "mamba_ngroups", "n_groups")
+
+    def unit(seg: int) -> int:
+        if state and groups and seg == state * groups:
+            return state
+        return head if head and seg % head == 0 else 1
+    return unit
 
 
 def _projections(pp: Any, ws: int) -> tuple[int, ...]:

@@ -148,6 +148,58 @@ class PaddedTokens(torch.nn.Module):
         return self.down(h + torch.max(h, dim=1, keepdim=True).values)
 
 
+class ConvLinearAttention(torch.nn.Module):
+    """q, k and v projections (4 heads of 8 each) concatenated, a short depthwise convolution over the 96 channels,
+    split back and viewed as heads (linear attention's layout), then attention and an output projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(32, 32, bias=False) for _ in range(3))
+        self.conv = torch.nn.Conv1d(96, 96, 3, groups=96, padding=2)
+        self.o = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = torch.cat([p(x) for p in self.qkv], dim=-1).transpose(1, 2)
+        h = F.silu(self.conv(h)[..., :t]).transpose(1, 2)
+        q, k, v = (part.view(b, t, 4, 8).transpose(1, 2) for part in h.split([32, 32, 32], dim=-1))
+        return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, 32))
+
+
+class GatedHeadNorm(torch.nn.Module):
+    """Attention's 4 heads and a gate projection, both folded into rows of one head, (B*T*4, 8): the heads normalised
+    per head times silu of the gate (a gated RMSNorm, as linear attention's output norm), merged back, projected."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(3))
+        self.gate, self.o = torch.nn.Linear(32, 32, bias=False), torch.nn.Linear(32, 32)
+        self.norm = torch.nn.RMSNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, 4, 8).transpose(1, 2) for p in self.qkv)
+        h = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(-1, 8)
+        return self.o((self.norm(h) * F.silu(self.gate(x).reshape(-1, 8))).reshape(b, t, 32))
+
+
+class EmbeddingPlusProjection(torch.nn.Module):
+    """Token embeddings of 20 features (a vocabulary split, its sum pending) plus a projection of them, an RMSNorm
+    written out over the sum (a mean of squares) and a projection to 32: at 3 ranks the 20 features are padded, and
+    the padding is zeros in both summands (the reduced embedding is cut with zeros there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 20)
+        self.a, self.down = torch.nn.Linear(20, 20), torch.nn.Linear(20, 32)
+        self.scale = torch.nn.Parameter(torch.rand(20) + 0.5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        e = self.emb(ids)
+        h = e + self.a(e)
+        return self.down(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.scale)
+
+
 def _shard(model: torch.nn.Module, ws: int) -> tuple[tpcompile.ShardedModel, list[str]]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", tpcompile.TPCompileWarning)
@@ -287,18 +339,65 @@ def test_stacked_gate_and_up_stay_split(ws: int) -> None:
     assert sm.plan.parameters["fc2.weight"].local_shape == (32, -(-50 // ws))
 
 
+@pytest.mark.parametrize("ws", [3, 5])
+def test_heads_found_through_a_cat_and_a_short_convolution(ws: int) -> None:
+    """q, k and v concatenated before a depthwise convolution and split into heads after it: each projection is
+    padded by whole heads (4 heads at 3 and 5 ranks), the convolution's channels cut as the three padded segments;
+    before, the head size was not found through the cat and the convolution, each projection was padded by
+    features, the view to heads cut through the padding and the attention was replicated, warned."""
+    torch.manual_seed(0)
+    sm = _split(ConvLinearAttention(), ws, tuple(f"qkv.{i}.weight" for i in range(3)), ("o.weight",),
+                one_all_reduce=True)
+    assert sm.plan.parameters["qkv.0.weight"].local_shape == (-(-4 // ws) * 8, 32)
+    assert sm.plan.parameters["conv.weight"].local_shape == (3 * -(-4 // ws) * 8, 1, 3)
+
+
+@pytest.mark.parametrize("ws", [3, 5])
+def test_gate_folded_into_rows_of_one_head(ws: int) -> None:
+    """A gate projection viewed as rows of one head, (B, T, 4 * 8) -> (B*T*4, 8), beside the heads folded the same
+    way: the gate is padded by whole heads like q, k and v (4 heads at 3 and 5 ranks), one all-reduce; before, it
+    was padded by features, the fold cut through the padding and the gate was replicated, warned."""
+    torch.manual_seed(0)
+    sm = _split(GatedHeadNorm(), ws, ("gate.weight", "qkv.0.weight"), ("o.weight",), one_all_reduce=True)
+    assert sm.plan.parameters["gate.weight"].local_shape == (-(-4 // ws) * 8, 32)
+
+
+def test_mean_over_a_pending_sum_plus_a_padded_split() -> None:
+    """20 features at 3 ranks: embeddings (a pending sum over the vocabulary split) plus a padded projection are
+    zero in the padding (the reduced sum is cut with zeros there), so the written-out norm's mean sums the ranks'
+    sums; before, the mean refused the padding and the projection was replicated, warned."""
+    torch.manual_seed(0)
+    model = EmbeddingPlusProjection()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", tpcompile.TPCompileWarning)
+        sm = tpcompile.shard(model, 3, example_inputs=(torch.randint(0, 64, (2, 5)),))
+    assert [str(w.message) for w in caught if issubclass(w.category, tpcompile.TPCompileWarning)] == []
+    roles = {n: p.role for n, p in sm.plan.parameters.items()}
+    assert roles["a.weight"] == "column" and roles["down.weight"] == "row", roles
+    ids = torch.randint(0, 64, (3, 7))
+    with torch.no_grad():
+        for out in tpcompile.simulate(sm, ids):
+            torch.testing.assert_close(out, model(ids), atol=1e-5, rtol=1e-4)
+
+
 def _on_gloo(rank: int) -> dict:
     """On one of 3 gloo processes: each model above parallelized (the startup agreement compares the ranks'
     schedules), its output against the original's; and SGD steps of the LayerNorm'd MLP against one process's."""
     out = {}
     for cls in (NormedMLP, SubNormAttention, GatedAttention, GateViewAs, RowsPerHead, AlibiAttention, StackedGateMLP,
-                ShortConv, PaddedTokens):
+                ShortConv, PaddedTokens, ConvLinearAttention, GatedHeadNorm):
         torch.manual_seed(0)
         model = cls()
         gm = tpcompile.parallelize(model, example_inputs=(torch.randn(2, 5, 32),))
         x = torch.randn(3, 7, 32, generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
             out[cls.__name__] = float((gm(x) - model(x)).abs().max())
+    torch.manual_seed(0)
+    model = EmbeddingPlusProjection()
+    gm = tpcompile.parallelize(model, example_inputs=(torch.randint(0, 64, (2, 5)),))
+    ids = torch.randint(0, 64, (3, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out["EmbeddingPlusProjection"] = float((gm(ids) - model(ids)).abs().max())
     torch.manual_seed(0)
     model = NormedMLP()
     xs = [torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(i)) for i in range(3)]
@@ -313,4 +412,4 @@ def test_padded_models_on_three_processes() -> None:
     """tpcompile.parallelize on 3 gloo processes for every model above (widths, heads and channels the world size
     does not divide): outputs equal the original's, and three SGD steps through the padded LayerNorm too."""
     for rank, diffs in enumerate(launch(3, _on_gloo, timeout=300)):
-        assert len(diffs) == 10 and max(diffs.values()) < 1e-4, (rank, diffs)
+        assert len(diffs) == 13 and max(diffs.values()) < 1e-4, (rank, diffs)

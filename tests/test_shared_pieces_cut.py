@@ -102,7 +102,7 @@ def test_cat_of_projections_with_key_pieces_is_one_segmented_split(ws: int) -> N
     sm = _check(JoinedConv().eval(), ws)
     assert {m: sm.plan.modules[m] for m in ("q", "k", "v", "beta", "o")} == \
         {"q": "column", "k": "column", "v": "column", "beta": "column", "o": "row"}
-    # q and k: a head each over 2 ranks at 4 ranks; v in 2 pieces too there (the regroup that puts the key heads in
-    # pieces blames every projection the cat joined, v's included): still split, each rank holding half of it
-    local = (2 * 16 + 32) // min(ws, 2)
+    # q and k: a head each over 2 ranks at 4 ranks; v a head a rank (each projection's head size is found through
+    # the cat and the convolution, so the key heads' pieces do not regroup v's heads)
+    local = 2 * 16 // min(ws, 2) + 32 // ws
     assert sm.plan.parameters["conv.weight"].local_shape == (local, 1, 3)

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from tpcompile.passes.feature_walk import keeps_features, nested
+from tpcompile.passes.feature_walk import heads_through, keeps_features, moved_dim as _moved_dim, nested
 from tpcompile.passes.head_groups import mark_head_groups
 from tpcompile.passes.head_parts import head_parts, split_along
 from tpcompile.passes.param_pieces import mark_pieces
@@ -137,21 +137,6 @@ def _unbound_later(node: Node, d: int) -> bool:
     return False
 
 
-def _moved_dim(u: Node, d: int) -> Optional[int]:
-    """Where dim d of u's input lands in u's output, for a transpose, permute, unsqueeze or squeeze; else None."""
-    if u.target is torch.ops.aten.permute.default:
-        return [x % len(u.args[1]) for x in u.args[1]].index(d)
-    if u.target is torch.ops.aten.transpose.int:
-        nd = u.args[0].meta["val"].dim()
-        a, b = u.args[1] % nd, u.args[2] % nd
-        return b if d == a else a if d == b else d
-    if u.target is torch.ops.aten.unsqueeze.default:
-        return d + (u.args[1] % u.meta["val"].dim() <= d)
-    if u.target is torch.ops.aten.squeeze.dim:
-        return d - (u.args[1] % u.args[0].meta["val"].dim() < d)
-    return None
-
-
 def _sliced_segments(node: Node, width: Optional[int]) -> Optional[tuple[tuple[int, ...], list[Node]]]:
     """Sizes of the slices along the last dim that tile it (`qkv[..., :q]`, `qkv[..., q:q + kv]`, ...), and the
     slices."""
@@ -232,7 +217,7 @@ def _head_size(value: Node, width: int) -> Optional[int]:
                     and _last_dim(u) == width:
                 todo.append((u, mixed or any(i is not n and i.op != "get_attr" and _last_dim(i) == width
                                              for i in u.all_input_nodes)))
-    return None
+    return heads_through(value, width)
 
 
 def _merged_heads(value: Node, width: int, depth: int = 6) -> Optional[int]:

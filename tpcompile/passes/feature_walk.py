@@ -1,7 +1,8 @@
-"""Ops a fused projection's features pass through unchanged, channels first: what annotate's search for the
-sizes a projection's output is split into (passes/annotate.py, `_segment_parts`) may walk past."""
+"""Ops a projection's features pass through unchanged, channels first: what annotate's searches for the sizes a
+fused projection's output is split into (passes/annotate.py, `_segment_parts`) and for its head size may walk past."""
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Optional
 
 import torch
@@ -42,3 +43,90 @@ def nested(sizes: tuple, parts: list[Optional[Node]], fdim: int, walk: Callable[
             out_sizes.append(size)
             out_parts.append(part)
     return tuple(out_sizes), out_parts
+
+
+def moved_dim(u: Node, d: int) -> Optional[int]:
+    """Where dim d of u's input lands in u's output, for a transpose, permute, unsqueeze or squeeze; else None."""
+    if u.target is torch.ops.aten.permute.default:
+        return [x % len(u.args[1]) for x in u.args[1]].index(d)
+    if u.target is torch.ops.aten.transpose.int:
+        nd = u.args[0].meta["val"].dim()
+        a, b = u.args[1] % nd, u.args[2] % nd
+        return b if d == a else a if d == b else d
+    if u.target is torch.ops.aten.unsqueeze.default:
+        return d + (u.args[1] % u.meta["val"].dim() <= d)
+    if u.target is torch.ops.aten.squeeze.dim:
+        return d - (u.args[1] % u.args[0].meta["val"].dim() < d)
+    return None
+
+
+def heads_through(value: Node, width: int, limit: int = 24) -> Optional[int]:
+    """d where `value`'s `width` features, followed as a run [offset, offset + width) of a feature dim, are cut into
+    heads of d by a reshape of that dim to (.., h, d, ..): through elementwise ops, transposes, a depthwise
+    convolution, a cat with other features along that dim (q|k|v concatenated before linear attention's short
+    convolution) and the part of a split holding the run; or folded into rows, (.., h * d) -> (rows * h, d) (a
+    gate of heads normalised per head). None when no such reshape is found."""
+    val = value.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not val.dim():
+        return None
+    dims = [d for d in range(val.dim()) if _known(val.shape[d]) == width]
+    todo, seen = [(value, dims[-1], 0)] if dims else [], set()
+    while todo and len(seen) < limit:
+        cur, fdim, offset = todo.pop(0)
+        for u in cur.users:
+            if u in seen or u.op != "call_function":
+                continue
+            seen.add(u)
+            step = _feature_step(u, cur, fdim, offset, width)
+            if isinstance(step, int):
+                return step
+            todo += [step] if step else []
+    return None
+
+
+def _feature_step(u: Node, cur: Node, fdim: int, offset: int, width: int) -> Any:
+    """Where `cur`'s run of features at dim `fdim` is in `u`'s output, (u, dim, offset); its head size when `u` cuts
+    the run into heads; None when `u` does not carry it."""
+    a, b = cur.meta.get("val"), u.meta.get("val")
+    spec = lookup(u.target)
+    rule = spec.rule if spec is not None else None
+    if u.target is operator.getitem:
+        return None
+    if rule == "split" and u.args[0] is cur and (u.args[2] if len(u.args) > 2 else 0) % a.dim() == fdim:
+        start = 0
+        for i, part in enumerate(b):
+            size = _known(part.shape[fdim])
+            if size is None:
+                return None
+            if start <= offset and offset + width <= start + size:
+                got = [g for g in u.users if g.target is operator.getitem and g.args[1] == i]
+                return (got[0], fdim, offset - start) if got else None
+            start += size
+        return None
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return None
+    if rule == "cat" and (u.args[1] if len(u.args) > 1 else 0) % a.dim() == fdim and list(u.args[0]).count(cur) == 1:
+        before = [_known(x.meta["val"].shape[fdim]) for x in u.args[0][:list(u.args[0]).index(cur)]]
+        return (u, fdim, offset + sum(before)) if None not in before else None
+    moved = moved_dim(u, fdim)
+    if moved is not None and u.target in (torch.ops.aten.transpose.int, torch.ops.aten.permute.default):
+        return u, moved, offset
+    same = list(map(str, b.shape[:fdim])) == list(map(str, a.shape[:fdim]))  # symbolic sizes compared as written
+    if rule == "reshape" and b.dim() == a.dim() + 1 and same and None not in (_known(b.shape[fdim]), _known(
+            b.shape[fdim + 1])) and b.shape[fdim] * b.shape[fdim + 1] == _known(a.shape[fdim]):
+        d = int(b.shape[fdim + 1])  # (.., F, ..) -> (.., h, d, ..): the run is whole heads of d
+        return d if offset % d == 0 and width % d == 0 and d < width else None
+    if rule == "reshape" and fdim == a.dim() - 1 and b.dim() <= a.dim() and _known(b.shape[-1]) \
+            and _known(a.shape[fdim]) == width:  # (.., h * d) -> (rows * h, d): heads folded into the rows
+        d = int(b.shape[-1])
+        return d if width % d == 0 and d < width and offset == 0 else None
+    size = _known(a.shape[fdim])
+    if keeps_features(u, cur, fdim) or rule == "pointwise" and b.dim() == a.dim() and size is not None \
+            and _known(b.shape[fdim]) == size:
+        return u, fdim, offset
+    return None
+
+
+def _known(size: Any) -> Optional[int]:
+    """A dim's size when it is a number (no guard on a symbolic one)."""
+    return int(size) if isinstance(size, int) else None

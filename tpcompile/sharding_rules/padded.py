@@ -17,7 +17,7 @@ import torch
 from torch.fx import Node
 
 from tpcompile.layouts import dim_layout
-from tpcompile.placement import REPLICATE, Shard, cut_shard, pad_cuts, seg_cuts
+from tpcompile.placement import PARTIAL, REPLICATE, Shard, cut_shard, pad_cuts, seg_cuts
 from tpcompile.sharding_rules.grouped import on_one
 from tpcompile.sharding_rules.rule_context import Result, Size, Want, exact_size, prod, sizes_equal
 
@@ -55,7 +55,8 @@ def _folded_reshape(p: Shard, gi: Sequence[int], gj: Sequence[int], ins: Sequenc
     """Padded heads folded with the dims before them and back: (B, heads, T, d) <-> (B * heads, T, d), as XGLM's
     and BART's attention computes scores. The folded dim is `outer` repetitions of the padded heads; the dims
     after the heads stay as they are, or merge with them when the repetitions unfold into the dims before
-    ((B * T * heads, d) -> (B, T, heads * d), the chunked gated delta rule's), padded by whole heads."""
+    ((B * T * heads, d) -> (B, T, heads * d), the chunked gated delta rule's), padded by whole heads; merged heads
+    fold into the rows the same way ((B, T, heads * d) -> (B * T * heads, d), a gate normalised per head)."""
     t = gi.index(p.dim)
     inner = prod([ins[d] for d in gi[t + 1:]])
     real = ins[p.dim] if p.outer is None else exact_size(sympy.sympify(ins[p.dim]) / sympy.sympify(p.outer))
@@ -68,6 +69,12 @@ def _folded_reshape(p: Shard, gi: Sequence[int], gj: Sequence[int], ins: Sequenc
         m = exact_size(sympy.sympify(outs[d]) / sympy.sympify(real))  # repetitions folded into this dim
         if m is not None and sizes_equal(prod([outs[e] for e in gj[:u]]) * m, count):
             return Shard(d, outer=None if m == 1 else m, cuts=p.cuts), ""
+    for u, d in enumerate(gj):  # the heads' entries split off and the heads folded: (B, T, h*d) -> (B*T*h, d)
+        q = prod([outs[e] for e in gj[u + 1:]])
+        if p.outer is None and inner == 1 and isinstance(q, int) and q > 1 and isinstance(p.padded, int) \
+                and real % q == 0 and p.padded % (q * (len(p.cuts[0]) - 1)) == 0 \
+                and prod([outs[e] for e in gj[:u]]) == 1 and sizes_equal(outs[d], count * (real // q)):
+            return Shard(d, outer=None if count == 1 else count, cuts=pad_cuts(p.padded // q, len(p.cuts[0]) - 1)), ""
     for u, d in enumerate(gj):  # unfolded, the heads merged with the dims after them: (B*T*h, d) -> (B, T, h*d)
         if prod([outs[e] for e in gj[u + 1:]]) == 1 and sizes_equal(outs[d], real * inner) \
                 and sizes_equal(prod([outs[e] for e in gj[:u]]), count) and isinstance(p.padded, int):
@@ -194,6 +201,14 @@ def zero_padded(x: Node, placement, depth: int = 24, rule: Any = None) -> bool:
     if name == "aten.div.Tensor":  # zeros over a divisor that is not padded (not 0 / 0)
         num, den = x.args[0], x.args[1]
         return num in padded and den not in padded and zero_padded(num, placement, depth - 1, rule)
-    # every tensor operand padded alike and zero there (a sum with a whole value would fill the padding)
-    return bool(padded) and len(padded) == len(tensors) and all(zero_padded(a, placement, depth - 1, rule)
-                                                                for a in padded)
+    # every tensor operand padded alike and zero there, or whole and cut to the split (rewrite_slices.local_slice
+    # zero-pads it); a whole operand broadcast along the padded dim would fill the padding
+    return bool(padded) and all(_cut_whole(a, x, placement) for a in tensors if a not in padded) \
+        and all(zero_padded(a, placement, depth - 1, rule) for a in padded)
+
+
+def _cut_whole(a: Node, x: Node, placement) -> bool:
+    """True when `a`, an operand of `x` held whole or a pending sum (reduced, then whole), has `x`'s padded dim at
+    its full size: it is cut to the split."""
+    dim = placement(x).dim - (x.meta["val"].dim() - a.meta["val"].dim())
+    return placement(a) in (REPLICATE, PARTIAL) and dim >= 0 and a.meta["val"].shape[dim] == x.meta["val"].shape[placement(x).dim]
