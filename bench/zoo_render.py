@@ -39,6 +39,7 @@ def failure_class(reason: str) -> str:
     """A reason with its names and numbers blanked, so that one defect's rows group together."""
     text = re.sub(r"^ws \d+: ", "", reason)
     text = re.sub(r"'[^'\s]*'|`[^`]*`|\"[^\"\s]*\"", "…", text)
+    text = re.sub(r"\bS\([^()\s]*\)", "S(…)", text)  # a split's layout is a value too: S(2) and S(2~66) alike
     text = re.sub(r"\b[\w.]*\d[\w.]*\b", "N", text)  # numbers, shapes and numbered module paths
     return text[:160]
 

@@ -183,6 +183,33 @@ class GatedHeadNorm(torch.nn.Module):
         return self.o((self.norm(h) * F.silu(self.gate(x).reshape(-1, 8))).reshape(b, t, 32))
 
 
+class InterleavedGLU(torch.nn.Module):
+    """One projection to 50 (gate, up) pairs interleaved, read as `[..., ::2]` and `[..., 1::2]` (GPT-OSS's experts'
+    layout), a gated unit and a projection back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up, self.down = torch.nn.Linear(32, 100), torch.nn.Linear(50, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.gate_up(x)
+        return self.down(F.silu(h[..., ::2]) * h[..., 1::2])
+
+
+class SparseActivationMLP(torch.nn.Module):
+    """An MLP of 100 features whose activations below mean + 1.2 std (over the features) are cut to zero, Gemma-3n's
+    statistical top-k: a std and a mean over the split width, then the row split."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(32, 100), torch.nn.Linear(100, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        cutoff = h.mean(-1, keepdim=True) + h.std(-1, keepdim=True) * 1.2
+        return self.down(F.relu(h - cutoff))
+
+
 class EmbeddingPlusProjection(torch.nn.Module):
     """Token embeddings of 20 features (a vocabulary split, its sum pending) plus a projection of them, an RMSNorm
     written out over the sum (a mean of squares) and a projection to 32: at 3 ranks the 20 features are padded, and
@@ -362,6 +389,30 @@ def test_gate_folded_into_rows_of_one_head(ws: int) -> None:
     assert sm.plan.parameters["gate.weight"].local_shape == (-(-4 // ws) * 8, 32)
 
 
+@pytest.mark.parametrize("ws", [3, 4, 6])
+def test_interleaved_pairs_are_split_whole(ws: int) -> None:
+    """50 interleaved (gate, up) pairs at 3, 4 and 6 ranks: the projection is split (zero-padded) by whole pairs,
+    so each rank's strided entries are its share of the gates and of the ups; before, at 3 ranks the strided
+    slice refused the padded split, and at 4 and 6 the blocks held half pairs, replicated, warned."""
+    torch.manual_seed(0)
+    sm = _split(InterleavedGLU(), ws, ("gate_up.weight",), ("down.weight",), one_all_reduce=True)
+    assert sm.plan.parameters["gate_up.weight"].local_shape == (2 * -(-50 // ws), 32)
+
+
+@pytest.mark.parametrize("ws", [3, 6])
+def test_std_over_a_padded_split_merges_moments(ws: int) -> None:
+    """A std over 100 features at 3 and 6 ranks, zero-padded: each rank's moments over its real entries merged with
+    their counts (the padding left out), so the projections stay split; outputs and three SGD steps equal the
+    original's; before, the std refused the padded split and the MLP was replicated, warned."""
+    torch.manual_seed(0)
+    model = SparseActivationMLP()
+    sm = _split(model, ws, ("up.weight",), ("down.weight",))
+    xs = [torch.randn(2, 6, 32) for _ in range(3)]
+    want = sgd_losses(copy.deepcopy(model).train(), xs, lr=0.1)
+    for losses in tpcompile.simulate_ranks(ws, lambda r: sgd_losses(sm.rank(r).train(), xs, lr=0.1)):
+        assert losses == pytest.approx(want, rel=1e-4, abs=1e-6)
+
+
 def test_mean_over_a_pending_sum_plus_a_padded_split() -> None:
     """20 features at 3 ranks: embeddings (a pending sum over the vocabulary split) plus a padded projection are
     zero in the padding (the reduced sum is cut with zeros there), so the written-out norm's mean sums the ranks'
@@ -385,7 +436,7 @@ def _on_gloo(rank: int) -> dict:
     schedules), its output against the original's; and SGD steps of the LayerNorm'd MLP against one process's."""
     out = {}
     for cls in (NormedMLP, SubNormAttention, GatedAttention, GateViewAs, RowsPerHead, AlibiAttention, StackedGateMLP,
-                ShortConv, PaddedTokens, ConvLinearAttention, GatedHeadNorm):
+                ShortConv, PaddedTokens, ConvLinearAttention, GatedHeadNorm, InterleavedGLU, SparseActivationMLP):
         torch.manual_seed(0)
         model = cls()
         gm = tpcompile.parallelize(model, example_inputs=(torch.randn(2, 5, 32),))
@@ -412,4 +463,4 @@ def test_padded_models_on_three_processes() -> None:
     """tpcompile.parallelize on 3 gloo processes for every model above (widths, heads and channels the world size
     does not divide): outputs equal the original's, and three SGD steps through the padded LayerNorm too."""
     for rank, diffs in enumerate(launch(3, _on_gloo, timeout=300)):
-        assert len(diffs) == 13 and max(diffs.values()) < 1e-4, (rank, diffs)
+        assert len(diffs) == 15 and max(diffs.values()) < 1e-4, (rank, diffs)

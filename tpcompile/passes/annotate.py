@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from tpcompile.passes.feature_walk import heads_through, keeps_features, moved_dim as _moved_dim, nested
+from tpcompile.passes.feature_walk import POINTWISE, heads_through, keeps_features, moved_dim as _moved_dim, nested
 from tpcompile.passes.head_groups import mark_head_groups
 from tpcompile.passes.head_parts import head_parts, split_along
 from tpcompile.passes.param_pieces import mark_pieces
@@ -20,7 +20,7 @@ from tpcompile.sharding_rules.experts import contraction
 from tpcompile.sharding_rules.rule_context import param_behind, weight_view
 
 _SPLITS = {"split", "unbind"}
-_FOLLOW = {"pointwise", "reshape"}
+_FOLLOW = {*POINTWISE, "reshape"}
 _ASIDE = (torch.ops.aten.sym_size.int, torch.ops.aten._assert_tensor_metadata.default)
 
 
@@ -210,10 +210,10 @@ def _head_size(value: Node, width: int) -> Optional[int]:
             if heads is not None and _last_dim(n) == width and not (heads == 1 and mixed):
                 return width // heads
             merged = [_merged_heads(i, width) for i in u.all_input_nodes if i is not n] \
-                if spec is not None and spec.rule == "pointwise" else []
+                if spec is not None and spec.rule in POINTWISE else []
             if any(merged):  # times (or plus) attention's heads merged back: a gate of the same heads
                 return next(d for d in merged if d)
-            if spec is not None and spec.rule in ("pointwise", "transpose", "reshape", "norm") \
+            if spec is not None and spec.rule in (*POINTWISE, "transpose", "reshape", "norm") \
                     and _last_dim(u) == width:
                 todo.append((u, mixed or any(i is not n and i.op != "get_attr" and _last_dim(i) == width
                                              for i in u.all_input_nodes)))
@@ -232,7 +232,7 @@ def _merged_heads(value: Node, width: int, depth: int = 6) -> Optional[int]:
             and all(isinstance(v, int) for v in val.shape[-2:]) and val.shape[-2] > 1 \
             and val.shape[-2] * val.shape[-1] == width:
         return int(val.shape[-1])
-    if spec.rule not in ("pointwise", "reshape", "norm"):
+    if spec.rule not in (*POINTWISE, "reshape", "norm"):
         return None
     for i in value.all_input_nodes:  # the operands that are values (a norm's weight is a parameter read)
         if i.op != "get_attr" and (d := _merged_heads(i, width, depth - 1)):
@@ -241,8 +241,9 @@ def _merged_heads(value: Node, width: int, depth: int = 6) -> Optional[int]:
 
 
 def _heads_dim(val: object, width: int) -> Optional[int]:
-    """h for a reshape's output (.., h, head_dim) or (.., h, 3, head_dim) (q, k and v stacked per head, as
-    Persimmon's fused projection) whose dims from h on hold `width` elements; multi-query's h is 1."""
+    """h for a reshape's output (.., h, head_dim), (.., h, 3, head_dim) (q, k and v stacked per head, as
+    Persimmon's fused projection) or (.., h, 1, head_dim) whose dims from h on hold `width` elements; multi-query's
+    h is 1."""
     if not isinstance(val, torch.Tensor) or val.dim() < 2 or not isinstance(val.shape[-1], int):
         return None
     prod = int(val.shape[-1])
@@ -250,8 +251,10 @@ def _heads_dim(val: object, width: int) -> Optional[int]:
         if not isinstance(val.shape[d], int) or prod > width:
             return None
         prod *= int(val.shape[d])
-        if prod == width:  # (.., h, d), or (.., h, 3, d) with q, k and v stacked per head; not (kv, group, d)
-            return int(val.shape[d]) if d >= val.dim() - 2 or val.dim() - d == 3 and val.shape[d + 1] == 3 else None
+        if prod == width:  # (.., h, d), (.., h, 3, d) with q, k and v stacked per head, or (.., h, 1, d); not
+            # (kv, group, d)
+            return int(val.shape[d]) if d >= val.dim() - 2 or val.dim() - d == 3 and val.shape[d + 1] in (1, 3) \
+                else None
     return None
 
 

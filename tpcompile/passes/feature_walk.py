@@ -10,6 +10,8 @@ from torch.fx import Node
 
 from tpcompile.sharding_rules import lookup
 
+POINTWISE = ("pointwise", "pointwise_inplace")  # elementwise op table rows, in place or not
+
 
 def keeps_features(nxt: Node, cur: Node, fdim: int) -> bool:
     """True when `nxt` keeps the features of `cur` at dim `fdim`, each where it was: an elementwise op, a slice of
@@ -19,7 +21,7 @@ def keeps_features(nxt: Node, cur: Node, fdim: int) -> bool:
             or a.shape[fdim] != b.shape[fdim] or nxt.args[0] is not cur:
         return False
     spec = lookup(nxt.target)
-    if spec is not None and spec.rule == "pointwise":
+    if spec is not None and spec.rule in POINTWISE:
         return True
     if nxt.target is torch.ops.aten.slice.Tensor:
         return (nxt.args[1] if len(nxt.args) > 1 else 0) % a.dim() != fdim
@@ -65,7 +67,8 @@ def heads_through(value: Node, width: int, limit: int = 24) -> Optional[int]:
     heads of d by a reshape of that dim to (.., h, d, ..): through elementwise ops, transposes, a depthwise
     convolution, a cat with other features along that dim (q|k|v concatenated before linear attention's short
     convolution) and the part of a split holding the run; or folded into rows, (.., h * d) -> (rows * h, d) (a
-    gate of heads normalised per head). None when no such reshape is found."""
+    gate of heads normalised per head); or s for a slice taking every s-th of them (interleaved gate|up pairs).
+    None when no such op is found."""
     val = value.meta.get("val")
     if not isinstance(val, torch.Tensor) or not val.dim():
         return None
@@ -108,6 +111,10 @@ def _feature_step(u: Node, cur: Node, fdim: int, offset: int, width: int) -> Any
     if rule == "cat" and (u.args[1] if len(u.args) > 1 else 0) % a.dim() == fdim and list(u.args[0]).count(cur) == 1:
         before = [_known(x.meta["val"].shape[fdim]) for x in u.args[0][:list(u.args[0]).index(cur)]]
         return (u, fdim, offset + sum(before)) if None not in before else None
+    args = list(u.args) + [None] * (5 - len(u.args))
+    if u.target is torch.ops.aten.slice.Tensor and args[1] % a.dim() == fdim and isinstance(args[4], int) \
+            and args[4] > 1 and width % args[4] == 0 and offset == 0 and _known(a.shape[fdim]) == width:
+        return args[4]  # every s-th feature (gate|up interleaved, `[..., ::2]` and `[..., 1::2]`): units of s
     moved = moved_dim(u, fdim)
     if moved is not None and u.target in (torch.ops.aten.transpose.int, torch.ops.aten.permute.default):
         return u, moved, offset
@@ -121,7 +128,7 @@ def _feature_step(u: Node, cur: Node, fdim: int, offset: int, width: int) -> Any
         d = int(b.shape[-1])
         return d if width % d == 0 and d < width and offset == 0 else None
     size = _known(a.shape[fdim])
-    if keeps_features(u, cur, fdim) or rule == "pointwise" and b.dim() == a.dim() and size is not None \
+    if keeps_features(u, cur, fdim) or rule in POINTWISE and b.dim() == a.dim() and size is not None \
             and _known(b.shape[fdim]) == size:
         return u, fdim, offset
     return None

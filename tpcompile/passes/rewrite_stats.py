@@ -151,6 +151,9 @@ def _variance(o: _Ops, node: Node, lookup: Lookup, combine: str) -> Node:
     d, total = o.p.dim, int(o.x.meta["val"].shape[o.p.dim])
     n = total // o.ws
     x = o.up(lookup(o.x), o.x.meta["val"].dtype)
+    if o.p.padding is not None:  # zero-padded last dim: the real entries' moments, merged with their counts
+        var = _padded_moments(o, x, total, tp.all_gather_replicated.default)[1]
+        return _finish(o, node, o.call(aten.mul.Scalar, var, total / max(total - _correction(node), 0.0)), combine)
     mean = o.call(aten.mean.dim, x, [d], True)
     m2 = o.call(aten.sum.dim_IntList, o.call(aten.pow.Tensor_Scalar, o.call(aten.sub.Tensor, x, mean), 2), [d], True)
     stats = o.call(aten.unsqueeze.default, o.call(aten.stack.default, [mean, m2]), 0)  # (1, 2, ..., 1, ...)
@@ -160,11 +163,15 @@ def _variance(o: _Ops, node: Node, lookup: Lookup, combine: str) -> Node:
     mu = o.call(aten.mean.dim, means, [0])
     spread = o.call(aten.sum.dim_IntList, o.call(aten.pow.Tensor_Scalar, o.call(aten.sub.Tensor, means, mu), 2), [0])
     m2 = o.call(aten.add.Tensor, o.call(aten.sum.dim_IntList, m2s, [0]), o.call(aten.mul.Scalar, spread, n))
-    out = o.call(aten.div.Scalar, m2, max(total - _correction(node), 0.0))
-    if combine == "std":
-        out = o.call(aten.sqrt.default, out)
+    return _finish(o, node, o.call(aten.div.Scalar, m2, max(total - _correction(node), 0.0)), combine)
+
+
+def _finish(o: _Ops, node: Node, var: Node, combine: str) -> Node:
+    """The variance (over the split dim, kept) as the op gives it: its square root for std, the dim dropped unless
+    kept, in the op's dtype."""
+    out = o.call(aten.sqrt.default, var) if combine == "std" else var
     if not keepdim(node, o.em.plan.rule(node)):
-        out = o.call(aten.squeeze.dim, out, d)
+        out = o.call(aten.squeeze.dim, out, o.p.dim)
     return o.cast(out)
 
 
@@ -210,10 +217,11 @@ def _norm(o: _Ops, node: Node, lookup: Lookup) -> Node:
     return o.cast(y)
 
 
-def _padded_moments(o: _Ops, x: Node, total: int) -> tuple[Node, Node]:
+def _padded_moments(o: _Ops, x: Node, total: int, gather: Any = tp.all_gather.default) -> tuple[Node, Node]:
     """Mean and (biased) variance over the zero-padded last dim of x: each rank's mean, sum of squared deviations and
     count over its real entries (the layout's runs, padding left out), gathered and merged (Chan et al.; not from
-    sums of x and x^2, which cancel when the mean is far from zero)."""
+    sums of x and x^2, which cancel when the mean is far from zero). `gather`: all_gather for statistics a split
+    value is normalised with (their gradients summed over the ranks), all_gather_replicated for a whole result."""
     runs = [(at, n) for _, at, n, _ in dim_layout(o.p, total, o.ws).runs(o.em.rank) if n]
     real = [o.call(aten.narrow.default, x, -1, at, n) for at, n in runs]
     if not real:  # a rank past the last entry: no mean, no deviations
@@ -224,7 +232,7 @@ def _padded_moments(o: _Ops, x: Node, total: int) -> tuple[Node, Node]:
         m2 = o.call(aten.sum.dim_IntList, o.call(aten.pow.Tensor_Scalar, o.call(aten.sub.Tensor, xr, mean), 2),
                     [-1], True)
     count = o.call(aten.full_like.default, mean, float(sum(n for _, n in runs)))
-    ranks = o.gather(tp.all_gather.default, o.call(aten.cat.default, [mean, m2, count], -1), -1, [*o.local[:-1], 3])
+    ranks = o.gather(gather, o.call(aten.cat.default, [mean, m2, count], -1), -1, [*o.local[:-1], 3])
     ranks = o.call(aten.unflatten.int, ranks, -1, [o.ws, 3])  # (..., ws, 3)
     means, m2s, counts = (o.call(aten.select.int, ranks, -1, i) for i in range(3))
     mu = o.call(aten.div.Scalar, o.call(aten.sum.dim_IntList, o.call(aten.mul.Tensor, means, counts), [-1], True), total)

@@ -137,11 +137,13 @@ _KEEPS_ZERO = frozenset(
     "aten.view.default aten.reshape.default aten._unsafe_view.default aten.transpose.int aten.permute.default "
     "aten.t.default aten.unsqueeze.default aten.squeeze.dim aten.squeeze.default aten.expand.default "
     "aten.flatten.using_ints aten.unflatten.int aten.slice.Tensor aten.select.int aten.contiguous.default "
-    "aten.clone.default aten._to_copy.default aten.to.dtype aten.to.dtype_layout aten.type_as.default "
+    "aten.clone.default aten._to_copy.default aten.to.dtype aten.to.dtype_layout aten.to.device aten.to.other "
+    "aten.type_as.default "
     "aten.alias.default aten.detach.default aten.neg.default aten.abs.default aten.relu.default aten.silu.default "
     "aten.gelu.default aten.tanh.default aten.sin.default aten.sqrt.default aten.square.default "
     "aten.mul.Scalar aten.div.Scalar aten.dropout.default aten.cat.default aten.add.Tensor aten.sub.Tensor "
-    "aten.mul.Tensor aten.div.Tensor aten.pow.Tensor_Scalar".split())
+    "aten.mul.Tensor aten.div.Tensor aten.pow.Tensor_Scalar aten.stack.default aten.mean.dim "
+    "aten.sum.dim_IntList".split())  # a sum or mean kept padded reduced over other dims
 
 _ATTENTION = frozenset(("aten.scaled_dot_product_attention.default",))
 _NORMS = frozenset(("aten.layer_norm.default", "aten.rms_norm.default"))
@@ -169,7 +171,7 @@ def zero_padded(x: Node, placement, depth: int = 24, rule: Any = None) -> bool:
         if isinstance(act, Node) and isinstance(placement(act), Shard) and placement(act).padding is not None:
             return zero_padded(act, placement, depth - 1, rule) and (len(x.args) < 3 or x.args[2] is None)
         return True
-    name = op_name(x.target) if x.op == "call_function" else ""
+    name = op_name(x.target).replace("_.", ".") if x.op == "call_function" else ""  # in place as out of place
     src = x.args[0] if x.target is operator.getitem and isinstance(x.args[0], Node) else None
     if src is not None and op_name(src.target) in _SPLITS and isinstance(src.args[0], Node):  # a part of a split
         return zero_padded(src.args[0], placement, depth - 1, rule)

@@ -13,7 +13,8 @@ import torch
 from torch.fx import Node
 
 from tpcompile.layouts import dim_layout
-from tpcompile.placement import PARTIAL, REPLICATE, Replicate, Shard, cut_shard, moved, segmented, split_dims
+from tpcompile.placement import (PARTIAL, REPLICATE, Replicate, Shard, cut_shard, moved, pad_cuts, segmented,
+                                 split_dims)
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim, sizes_equal
 from tpcompile.sharding_rules.table import RuleSpec
@@ -54,12 +55,16 @@ def slice_(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     args = list(node.args) + [None] * (5 - len(node.args))
     start, end = (_bound(args[2], size, 0), _bound(args[3], size, size)) if isinstance(size, int) else (None, None)
     step = args[4]
-    if isinstance(step, int) and step > 1 and p.plain and not p.seq and start is not None and start < step \
-            and end == size and size % (ctx.world_size * step) == 0:
+    full = p.padded if p.plain_padded else size if p.plain and not p.seq else None
+    if isinstance(step, int) and step > 1 and isinstance(full, int) and start is not None and start < step \
+            and end == size and full % (ctx.world_size * step) == 0:
         # every step-th entry (gpt-oss's interleaved gate|up, `[..., ::2]` and `[..., 1::2]`): each rank's block
-        # holds whole strides, so its own strided entries are the rank's share of the global ones
-        ends = [("split", 3, dim, None)] if len(node.args) > 3 and node.args[3] == size else []
-        return Result(Shard(dim), [Want(x, p)], localize=ends)
+        # holds whole strides, so its own strided entries are the rank's share of the global ones; of a zero-padded
+        # split, the strides past the size are the result's padding
+        ends = [("set", 3, full // ctx.world_size, None)] if len(node.args) > 3 and node.args[3] == size else []
+        real = -(-(size - start) // step)
+        out = Shard(dim) if real * step == full else Shard(dim, cuts=pad_cuts(full // step, ctx.world_size))
+        return Result(out, [Want(x, p)], localize=ends)
     if start is None or end is None or args[4] not in (None, 1) or p.padded or p.outer or p.pieces:
         return _fail(node, "slice along the split dim")
     segs, ws = list(p.segments or (size,)), ctx.world_size
