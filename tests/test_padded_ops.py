@@ -210,6 +210,20 @@ class SparseActivationMLP(torch.nn.Module):
         return self.down(F.relu(h - cutoff))
 
 
+class GateTimesWhole(torch.nn.Module):
+    """sigmoid of a projection to 20 features times a whole value of 20 (a slice of the input, RWKV's receptance
+    times its value), an RMSNorm written out over the product and a projection back: at 3 ranks the padding of the
+    product is zero because the whole factor is cut with zeros there (sigmoid's padding is 0.5)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.down = torch.nn.Linear(32, 20), torch.nn.Linear(20, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.sigmoid(self.a(x)) * x[..., :20]
+        return self.down(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
 class EmbeddingPlusProjection(torch.nn.Module):
     """Token embeddings of 20 features (a vocabulary split, its sum pending) plus a projection of them, an RMSNorm
     written out over the sum (a mean of squares) and a projection to 32: at 3 ranks the 20 features are padded, and
@@ -413,6 +427,14 @@ def test_std_over_a_padded_split_merges_moments(ws: int) -> None:
         assert losses == pytest.approx(want, rel=1e-4, abs=1e-6)
 
 
+def test_mean_over_a_gate_times_a_whole_value() -> None:
+    """20 features at 3 ranks: sigmoid(projection) times a whole value is zero in the padding (the whole factor is
+    cut with zeros), so the written-out norm's mean sums the ranks' sums, no warning; before, the mean refused the
+    padding and the projection was replicated, warned."""
+    torch.manual_seed(0)
+    _split(GateTimesWhole(), 3, ("a.weight",), ("down.weight",))
+
+
 def test_mean_over_a_pending_sum_plus_a_padded_split() -> None:
     """20 features at 3 ranks: embeddings (a pending sum over the vocabulary split) plus a padded projection are
     zero in the padding (the reduced sum is cut with zeros there), so the written-out norm's mean sums the ranks'
@@ -436,7 +458,8 @@ def _on_gloo(rank: int) -> dict:
     schedules), its output against the original's; and SGD steps of the LayerNorm'd MLP against one process's."""
     out = {}
     for cls in (NormedMLP, SubNormAttention, GatedAttention, GateViewAs, RowsPerHead, AlibiAttention, StackedGateMLP,
-                ShortConv, PaddedTokens, ConvLinearAttention, GatedHeadNorm, InterleavedGLU, SparseActivationMLP):
+                ShortConv, PaddedTokens, ConvLinearAttention, GatedHeadNorm, InterleavedGLU, SparseActivationMLP,
+                GateTimesWhole):
         torch.manual_seed(0)
         model = cls()
         gm = tpcompile.parallelize(model, example_inputs=(torch.randn(2, 5, 32),))
@@ -463,4 +486,4 @@ def test_padded_models_on_three_processes() -> None:
     """tpcompile.parallelize on 3 gloo processes for every model above (widths, heads and channels the world size
     does not divide): outputs equal the original's, and three SGD steps through the padded LayerNorm too."""
     for rank, diffs in enumerate(launch(3, _on_gloo, timeout=300)):
-        assert len(diffs) == 15 and max(diffs.values()) < 1e-4, (rank, diffs)
+        assert len(diffs) == 16 and max(diffs.values()) < 1e-4, (rank, diffs)

@@ -198,8 +198,9 @@ def zero_padded(x: Node, placement, depth: int = 24, rule: Any = None) -> bool:
         return False  # x + 1 fills the padding
     tensors = [a for a in x.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
     padded = [a for a in tensors if isinstance(placement(a), Shard) and placement(a).padding is not None]
-    if name in ("aten.mul.Tensor",):  # one zero factor makes the product zero
-        return any(zero_padded(a, placement, depth - 1, rule) for a in padded)
+    if name in ("aten.mul.Tensor",):  # one zero factor makes the product zero (a whole one is cut with zeros)
+        return any(_cut_whole(a, x, placement) for a in tensors if a not in padded) \
+            or any(zero_padded(a, placement, depth - 1, rule) for a in padded)
     if name == "aten.div.Tensor":  # zeros over a divisor that is not padded (not 0 / 0)
         num, den = x.args[0], x.args[1]
         return num in padded and den not in padded and zero_padded(num, placement, depth - 1, rule)
