@@ -41,6 +41,7 @@ def failure_class(reason: str) -> str:
     text = re.sub(r"'[^'\s]*'|`[^`]*`|\"[^\"\s]*\"", "…", text)
     text = re.sub(r"\bS\([^()\s]*\)", "S(…)", text)  # a split's layout is a value too: S(2) and S(2~66) alike
     text = re.sub(r"\b[\w.]*\d[\w.]*\b", "N", text)  # numbers, shapes and numbered module paths
+    text = re.sub(r"\bN(?:, N)+\b", "N", text)  # a list of them: how many is a value too
     return text[:160]
 
 

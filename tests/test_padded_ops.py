@@ -152,16 +152,18 @@ class ConvLinearAttention(torch.nn.Module):
     """q, k and v projections (4 heads of 8 each) concatenated, a short depthwise convolution over the 96 channels,
     split back and viewed as heads (linear attention's layout), then attention and an output projection."""
 
-    def __init__(self) -> None:
+    def __init__(self, explicit_pad: bool = False) -> None:
         super().__init__()
         self.qkv = torch.nn.ModuleList(torch.nn.Linear(32, 32, bias=False) for _ in range(3))
-        self.conv = torch.nn.Conv1d(96, 96, 3, groups=96, padding=2)
+        self.conv = torch.nn.Conv1d(96, 96, 3, groups=96, padding=0 if explicit_pad else 2)
         self.o = torch.nn.Linear(32, 32)
+        self.explicit_pad = explicit_pad  # causal by F.pad along the tokens, not the convolution's padding
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         h = torch.cat([p(x) for p in self.qkv], dim=-1).transpose(1, 2)
-        h = F.silu(self.conv(h)[..., :t]).transpose(1, 2)
+        h = self.conv(F.pad(h, (2, 0))) if self.explicit_pad else self.conv(h)[..., :t]
+        h = F.silu(h).transpose(1, 2)
         q, k, v = (part.view(b, t, 4, 8).transpose(1, 2) for part in h.split([32, 32, 32], dim=-1))
         return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, 32))
 
@@ -380,14 +382,15 @@ def test_stacked_gate_and_up_stay_split(ws: int) -> None:
     assert sm.plan.parameters["fc2.weight"].local_shape == (32, -(-50 // ws))
 
 
-@pytest.mark.parametrize("ws", [3, 5])
-def test_heads_found_through_a_cat_and_a_short_convolution(ws: int) -> None:
+@pytest.mark.parametrize("ws,explicit_pad", [(3, False), (5, False), (3, True)])
+def test_heads_found_through_a_cat_and_a_short_convolution(ws: int, explicit_pad: bool) -> None:
     """q, k and v concatenated before a depthwise convolution and split into heads after it: each projection is
     padded by whole heads (4 heads at 3 and 5 ranks), the convolution's channels cut as the three padded segments;
     before, the head size was not found through the cat and the convolution, each projection was padded by
-    features, the view to heads cut through the padding and the attention was replicated, warned."""
+    features, the view to heads cut through the padding and the attention was replicated, warned. With F.pad along
+    the tokens first (no row in the op table), DTensor's strategy is asked at the segments' padded size."""
     torch.manual_seed(0)
-    sm = _split(ConvLinearAttention(), ws, tuple(f"qkv.{i}.weight" for i in range(3)), ("o.weight",),
+    sm = _split(ConvLinearAttention(explicit_pad), ws, tuple(f"qkv.{i}.weight" for i in range(3)), ("o.weight",),
                 one_all_reduce=True)
     assert sm.plan.parameters["qkv.0.weight"].local_shape == (-(-4 // ws) * 8, 32)
     assert sm.plan.parameters["conv.weight"].local_shape == (3 * -(-4 // ws) * 8, 1, 3)

@@ -172,18 +172,21 @@ def test_a_size_read_of_a_whole_dim_needs_no_gather() -> None:
 class SharedStateConv(nn.Module):
     """Mamba-2's pattern: x|B|C from one projection, one depthwise convolution over all of them (its weight read
     as `conv.weight.squeeze(1)`, then `unsqueeze(1)` inside F.conv1d), then split into x, B and C; B and C are
-    one group of 4 channels, which a split by ranks would cut."""
+    one group of 4 channels, which a split by ranks would cut. The tokens are padded for the causal convolution
+    with F.pad, or (`pad_by_cat`) by a cat of zeros, which hides the split from the search for segments."""
 
-    def __init__(self) -> None:
+    def __init__(self, pad_by_cat: bool = True) -> None:
         super().__init__()
         self.in_proj = nn.Linear(16, 32 + 8)
         self.conv = nn.Conv1d(40, 40, 3, groups=40)
         self.out = nn.Linear(32, 16)
+        self.pad_by_cat = pad_by_cat
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         xbc = self.in_proj(h).transpose(1, 2)
         w = self.conv.weight.squeeze(1)
-        xbc = F.conv1d(F.pad(xbc, (2, 0)), w.unsqueeze(1), self.conv.bias, groups=40).transpose(1, 2)
+        xbc = torch.cat([xbc.new_zeros(*xbc.shape[:2], 2), xbc], -1) if self.pad_by_cat else F.pad(xbc, (2, 0))
+        xbc = F.conv1d(xbc, w.unsqueeze(1), self.conv.bias, groups=40).transpose(1, 2)
         x, b, c = torch.split(xbc, [32, 4, 4], dim=-1)
         return self.out(x * (b * c).sum(-1, keepdim=True))
 
@@ -201,3 +204,22 @@ def test_a_convolution_weight_read_through_views_is_read_whole_once_its_split_is
     with torch.no_grad():
         for out in tpcompile.simulate(sm, x):
             torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_segments_found_through_the_padding_of_the_tokens() -> None:
+    """With F.pad of the tokens before the convolution, x|B|C are found as segments of the projection (32 | 4 | 4,
+    each split 2 ways), the convolution's channels cut alike; (b * c).sum over the split is a pending sum reduced
+    with the output's: two all-reduces, exact, gradients equal."""
+    torch.manual_seed(0)
+    model = SharedStateConv(pad_by_cat=False).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpcompile.TPCompileWarning)
+        sm = tpcompile.shard(model, 2, example_inputs=(torch.randn(2, 6, 16),))
+    assert sm.plan.parameters["in_proj.weight"].segments == (32, 4, 4)
+    assert sm.plan.parameters["conv.weight"].local_shape == (20, 1, 3)
+    assert [op for op, _ in sm.collectives()] == ["all_reduce", "all_reduce"]
+    x = torch.randn(3, 9, 16)
+    with torch.no_grad():
+        for out in tpcompile.simulate(sm, x):
+            torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+    assert tpcompile.check_gradients(model, sm, torch.randn(2, 7, 16)).ok

@@ -14,8 +14,9 @@ POINTWISE = ("pointwise", "pointwise_inplace")  # elementwise op table rows, in 
 
 
 def keeps_features(nxt: Node, cur: Node, fdim: int) -> bool:
-    """True when `nxt` keeps the features of `cur` at dim `fdim`, each where it was: an elementwise op, a slice of
-    another dim, or a depthwise convolution over them as channels (the short convolution of linear attention)."""
+    """True when `nxt` keeps the features of `cur` at dim `fdim`, each where it was: an elementwise op, a slice or a
+    padding of another dim, or a depthwise convolution over them as channels (the short convolution of linear
+    attention)."""
     a, b = cur.meta.get("val"), nxt.meta.get("val")
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() != b.dim() \
             or a.shape[fdim] != b.shape[fdim] or nxt.args[0] is not cur:
@@ -25,6 +26,8 @@ def keeps_features(nxt: Node, cur: Node, fdim: int) -> bool:
         return True
     if nxt.target is torch.ops.aten.slice.Tensor:
         return (nxt.args[1] if len(nxt.args) > 1 else 0) % a.dim() != fdim
+    if nxt.target in (torch.ops.aten.pad.default, torch.ops.aten.constant_pad_nd.default):
+        return True  # padding other dims (a causal convolution's tokens): the features' size is unchanged
     if spec is None or spec.rule != "weight_conv" or fdim != 1:
         return False
     i = spec.get("groups_arg")

@@ -130,7 +130,7 @@ class _Schema:
         p = self.ctx.placement(n)
         self.key.append((tuple(shape), val.dtype, p))
         if isinstance(p, Shard):
-            if (p.padding is not None and not _padded(p)) or p.split_next is not None:
+            if (p.padding is not None and not _padded(p, self.ctx.world_size)) or p.split_next is not None:
                 raise _Unsupported(f"{p}: segments zero-padded or a split of the next dim")
             self.layouts.add(replace(p, dim=0))
             self.split_sizes.add(shape[p.dim])
@@ -147,21 +147,29 @@ class _Schema:
         return DTensorSpec(self.mesh, (placed,), TensorMeta(shape, tuple(stride), val.dtype))
 
 
-def _padded(p: Shard) -> bool:
-    """One segment zero-padded (heads, or `outer` repetitions of padded heads: batch x heads folded)."""
+def _padded(p: Shard, ws: int) -> bool:
+    """One segment zero-padded (heads, or `outer` repetitions of padded heads: batch x heads folded), or segments
+    each zero-padded and cut into a piece a rank (q|k|v padded by whole heads)."""
+    if p.seg_padded:
+        return p.outer is None and not p.seq and set(p.counts(ws)) == {ws}
     return p.padded is not None and p.pieces is None and not p.seq
+
+
+def _padded_size(p: Shard) -> int:
+    """The size a zero-padded split's dim is asked at: its padding, every segment's together."""
+    return sum(p.pads()) if p.seg_padded else p.padded
 
 
 def _grown(node: Node, ctx: RuleContext) -> dict[Node, tuple[int, int]]:
     """(dim, padded size) of the inputs split zero-padded, and of the whole ones as large as they are on that dim
     (an ALiBi bias of batch x heads beside queries split by padded heads), which DTensor then sees alike."""
     tensors = [n for n in node.all_input_nodes if ctx.is_tensor(n)]
-    split = [(n, p) for n in tensors if isinstance(p := ctx.placement(n), Shard) and _padded(p)]
+    split = [(n, p) for n in tensors if isinstance(p := ctx.placement(n), Shard) and _padded(p, ctx.world_size)]
     if not split:
         return {}
     n0, p0 = split[0]
     real = _hint(n0.meta["val"].shape[p0.dim])
-    size = p0.padded * (1 if p0.outer is None else _outer_value(node)(p0.outer))
+    size = _padded_size(p0) * (1 if p0.outer is None else _outer_value(node)(p0.outer))
     whole = [n for n in tensors if isinstance(ctx.placement(n), Replicate)
              and n.meta["val"].dim() == n0.meta["val"].dim() and _hint(n.meta["val"].shape[p0.dim]) == real]
     return {n: (p.dim, size) for n, p in split} | {n: (p0.dim, size) for n in whole}

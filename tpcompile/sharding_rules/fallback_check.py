@@ -31,8 +31,13 @@ def _example(shape: Sequence[int], dtype: torch.dtype, gen: torch.Generator, dev
 
 def positions(p: Shard, size: int, rank: int, ws: int, outer: int = 1) -> list[int]:
     """The indices along p.dim that `rank` holds of a dim of `size` split as `p` (`outer`: p.outer's value)."""
-    block = size // outer  # in pieces: the one of the ranks sharing it, in every repetition
-    runs = dim_layout(p, block, ws).blocks(rank) if p.pieces or p.seq else segment_ranges(block, p.segments, rank, ws)
+    block = size // outer  # in pieces: the one of the ranks sharing it, in every repetition; segments each padded:
+    # the rank's block of each, in the dim's padded positions (asked at the padded size)
+    if p.seg_padded:
+        runs = dim_layout(p, None, ws).blocks(rank)
+    else:
+        runs = dim_layout(p, block, ws).blocks(rank) if p.pieces or p.seq else segment_ranges(block, p.segments, rank,
+                                                                                             ws)
     return [b * block + i for b in range(outer) for start, stop in runs for i in range(start, stop)]
 
 

@@ -65,12 +65,14 @@ def slice_(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         real = -(-(size - start) // step)
         out = Shard(dim) if real * step == full else Shard(dim, cuts=pad_cuts(full // step, ctx.world_size))
         return Result(out, [Want(x, p)], localize=ends)
-    if start is None or end is None or args[4] not in (None, 1) or p.padded or p.outer or p.pieces:
+    if start is None or end is None or args[4] not in (None, 1):
         return _fail(node, "slice along the split dim")
     segs, ws = list(p.segments or (size,)), ctx.world_size
     bounds = [sum(segs[:k]) for k in range(len(segs) + 1)]
     if start not in bounds or end not in bounds or start >= end:
         return _fail(node, f"slice [{start}:{end}] along the split dim cuts through its segments {tuple(segs)}")
+    if p.padded or p.outer or p.pieces:
+        return _fail(node, f"slice [{start}:{end}] along the split dim, split as {p}")
     i0, i1 = bounds.index(start), bounds.index(end)
     present = [i for i in (2, 3) if i < len(node.args) and isinstance(node.args[i], int)]
     if p.cuts is None:  # every segment split evenly: a boundary's local position is the global one / ws
