@@ -64,10 +64,11 @@ def render(rows: dict[str, Any], base: dict[str, Any], meta: dict[str, Any]) -> 
         f"{WORLD_SIZE} divides none of them), sharded at {WORLD_SIZE} ranks and run on a (3, 13) batch. A row "
         f"meets the bar when it is equal (the suite's rule), `shard` warns nothing of a kind it did not warn at 2 "
         f"and 4 ranks (what it warns there is not about divisibility; a kind is the text with its names and "
-        f"numbers blanked), and the largest rank holds at most {BALANCED:g} × a "
-        f"split balanced by units (÷ balanced: `balanced_bytes` in tests/hf_models.py; a unit is one head of an "
-        f"attention module's parameter, one feature elsewhere, so a Mamba mixer split by whole heads counts "
-        f"against features).", "",
+        f"numbers blanked, a split's layout and the length of a list of names too), and the largest rank holds at "
+        f"most {BALANCED:g} × a split balanced by units (÷ balanced: `balanced_bytes` in tests/hf_models.py; a "
+        f"unit is one head of an attention module's parameter, in a Mamba-2 mixer one Mamba head of its inner "
+        f"features and one group of its B and C, in a module with block-diagonal weights one block, one feature "
+        f"elsewhere).", "",
         f"**Totals.** {len(ran)} architectures run unsharded ({len(rows) - len(ran)} listed apart above). Equal: "
         f"**{equal} of {len(ran)} ({_pct(equal, len(ran))})**. Meeting the bar: **{good} of {len(ran)} "
         f"({_pct(good, len(ran))})**.", "",
