@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import re
 import sys
 import time
 import warnings
@@ -146,6 +147,15 @@ def write_section(path: Path, markers: tuple[str, str], text: str) -> None:
     path.write_text(new, encoding="utf-8")
 
 
+def write_head(path: Path, text: str) -> None:
+    """`text` as the file's head, keeping the sections the other tables write after it (from the first
+    `<!-- name:start -->` marker on)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = path.read_text(encoding="utf-8") if path.exists() else ""
+    found = re.search(r"^<!-- [\w-]+:start -->$", old, flags=re.M)
+    path.write_text(text.rstrip("\n") + "\n\n" + old[found.start():] if found else text, encoding="utf-8")
+
+
 def passed(row: dict[str, Any]) -> bool:
     """Equal within TOLERANCE, at most HELD / ws of the parameter bytes per rank, and no warning."""
     return ("error" not in row and row["diff"] <= TOLERANCE and row["share"] <= HELD / row["ws"]
@@ -221,15 +231,11 @@ def render(rows: list[dict], wall_s: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_readme(readme: Path, text: str) -> None:
-    """Replace what lies between the README's archs markers with the report, headings two levels down."""
-    begin, end = "<!-- archs:start -->", "<!-- archs:end -->"
-    old = readme.read_text(encoding="utf-8")
-    if begin not in old or end not in old:
-        raise SystemExit(f"{readme} has no {begin} ... {end} block")
-    body = "\n".join("##" + line if line.startswith("#") else line for line in text.splitlines())
-    head, rest = old.split(begin, 1)
-    readme.write_text(f"{head}{begin}\n{body}\n{end}{rest.split(end, 1)[1]}", encoding="utf-8")
+def write_readme(readme: Path, docs: Path) -> None:
+    """The README's archs block: the whole of `docs` (every section after this table too), headings two levels
+    down, as bench/update_readme.py copies it."""
+    from bench.update_readme import nest, replace_between
+    readme.write_text(replace_between(readme.read_text(), "archs", nest(docs.read_text())))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,11 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(line for line in text.splitlines() if line.startswith("|")))
     print("\n".join(line for line in text.splitlines() if line.startswith(("- ", "  At "))))
     if not args.arch:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+        write_head(args.out, text)
         print(f"\nwrote {args.out}")
     if args.readme and not args.arch:
-        write_readme(ROOT / "README.md", text)
+        write_readme(ROOT / "README.md", args.out)
         print("wrote the README's archs block")
     return 0 if all(passed(r) for r in rows) else 1
 

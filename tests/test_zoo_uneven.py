@@ -21,11 +21,13 @@ from bench import zoo, zoo_uneven  # noqa: E402
 @pytest.mark.parametrize("arch", ["bamba", "falcon_h1"])
 def test_mamba_mixers_split_at_three_ranks(arch: str) -> None:
     """Equal to the original on another batch and length, nothing replicated with a warning, the mixer's
-    projections split (held x ws as at 2 ranks or better than replicating: below 1.35)."""
+    projections split (held x ws as at 2 ranks or better than replicating: below 1.35), within 1.15 x a split
+    balanced by the mixer's units (its Mamba heads, and B and C's one group)."""
     row = zoo.run_ws(arch, 3)
     assert row["equal"], row.get("reason")
     assert row["warnings"] == []
     assert row["share"] * 3 < 1.35
+    assert row["balanced"] <= 1.15
 
 
 def test_docs_section_is_the_cache_rendered() -> None:
@@ -52,3 +54,14 @@ def test_a_warning_of_a_kind_seen_at_two_ranks_is_not_new() -> None:
     assert zoo_uneven.verdict(row, base) == (True, "")
     row["ws"]["3"]["balanced"] = 1.2
     assert zoo_uneven.verdict(row, base)[0] is False
+
+
+def test_a_kind_blanks_layouts_and_how_many_names() -> None:
+    """A split's layout and the length of a list of names are values like numbers: S(2) and S(2~66), two names and
+    three, are one kind."""
+    two = "aten.linear.default (linear_3) at m: input slice_3 is S(2) but the op needs R; x is whole only because " \
+        "m.h.0.a, m.h.0.b are replicated"
+    three = "aten.linear.default (linear_9) at m: input slice_7 is S(2~66) but the op needs R; x is whole only " \
+        "because m.h.0.a, m.h.1.a, m.h.1.b are replicated"
+    assert zoo_uneven.new_warnings([three], {"ws": {"2": {"warnings": [two]}}}) == []
+    assert zoo_uneven.new_warnings([three.replace("needs R", "needs S(1)")], {"ws": {"2": {"warnings": [two]}}})

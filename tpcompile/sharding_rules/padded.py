@@ -214,4 +214,7 @@ def _cut_whole(a: Node, x: Node, placement) -> bool:
     """True when `a`, an operand of `x` held whole or a pending sum (reduced, then whole), has `x`'s padded dim at
     its full size: it is cut to the split."""
     dim = placement(x).dim - (x.meta["val"].dim() - a.meta["val"].dim())
-    return placement(a) in (REPLICATE, PARTIAL) and dim >= 0 and a.meta["val"].shape[dim] == x.meta["val"].shape[placement(x).dim]
+    if placement(a) not in (REPLICATE, PARTIAL) or dim < 0:
+        return False
+    size, full = a.meta["val"].shape[dim], x.meta["val"].shape[placement(x).dim]
+    return isinstance(size, int) and isinstance(full, int) and size == full  # not broadcast along it
