@@ -226,6 +226,22 @@ class GateTimesWhole(torch.nn.Module):
         return self.down(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
 
 
+class LogitStats(torch.nn.Module):
+    """Logits over a vocabulary of 100 less their log-sum-exp (log-probabilities, as a z-loss reads them), and their
+    max and min over the vocabulary: at 3 and 6 ranks the vocabulary is zero-padded, and a zero there would win a
+    max over negative logits and add exp(0) to the sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(32, 100)
+        with torch.no_grad():
+            self.head.bias.sub_(5.0)  # every logit below zero: a padded zero would be the max
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.head(x)
+        return z - torch.logsumexp(z, -1, keepdim=True) + z.amax(-1, keepdim=True) * (z + 10.0).amin(-1, keepdim=True)
+
+
 class EmbeddingPlusProjection(torch.nn.Module):
     """Token embeddings of 20 features (a vocabulary split, its sum pending) plus a projection of them, an RMSNorm
     written out over the sum (a mean of squares) and a projection to 32: at 3 ranks the 20 features are padded, and
@@ -438,6 +454,22 @@ def test_mean_over_a_gate_times_a_whole_value() -> None:
     _split(GateTimesWhole(), 3, ("a.weight",), ("down.weight",))
 
 
+@pytest.mark.parametrize("ws", [3, 6])
+def test_max_min_and_logsumexp_over_a_padded_vocabulary(ws: int) -> None:
+    """log-sum-exp, max and min over 100 logits at 3 and 6 ranks, zero-padded: each rank fills its padding with what
+    never wins (-inf for the max and the log-sum-exp, +inf for the min) before its local reduction, so the head
+    stays split, no warning, and the outputs equal the original's (a zero padding would give max 0, which every
+    logit is below); before, the reductions refused the padding and the head was replicated, warned."""
+    torch.manual_seed(0)
+    model = LogitStats()
+    sm = _split(model, ws, ("head.weight",))
+    assert sm.plan.parameters["head.weight"].local_shape == (-(-100 // ws), 32)
+    xs = [torch.randn(2, 6, 32) for _ in range(3)]
+    want = sgd_losses(copy.deepcopy(model).train(), xs, lr=0.1)
+    for losses in tpcompile.simulate_ranks(ws, lambda r: sgd_losses(sm.rank(r).train(), xs, lr=0.1)):
+        assert losses == pytest.approx(want, rel=1e-4, abs=1e-6)
+
+
 def test_mean_over_a_pending_sum_plus_a_padded_split() -> None:
     """20 features at 3 ranks: embeddings (a pending sum over the vocabulary split) plus a padded projection are
     zero in the padding (the reduced sum is cut with zeros there), so the written-out norm's mean sums the ranks'
@@ -462,7 +494,7 @@ def _on_gloo(rank: int) -> dict:
     out = {}
     for cls in (NormedMLP, SubNormAttention, GatedAttention, GateViewAs, RowsPerHead, AlibiAttention, StackedGateMLP,
                 ShortConv, PaddedTokens, ConvLinearAttention, GatedHeadNorm, InterleavedGLU, SparseActivationMLP,
-                GateTimesWhole):
+                GateTimesWhole, LogitStats):
         torch.manual_seed(0)
         model = cls()
         gm = tpcompile.parallelize(model, example_inputs=(torch.randn(2, 5, 32),))
@@ -489,4 +521,4 @@ def test_padded_models_on_three_processes() -> None:
     """tpcompile.parallelize on 3 gloo processes for every model above (widths, heads and channels the world size
     does not divide): outputs equal the original's, and three SGD steps through the padded LayerNorm too."""
     for rank, diffs in enumerate(launch(3, _on_gloo, timeout=300)):
-        assert len(diffs) == 16 and max(diffs.values()) < 1e-4, (rank, diffs)
+        assert len(diffs) == 17 and max(diffs.values()) < 1e-4, (rank, diffs)

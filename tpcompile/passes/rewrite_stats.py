@@ -5,7 +5,8 @@ small collective, combined exactly on every rank (sharding_rules/reductions.py c
   zero-padded split, scaled by the local size over the real one; over tokens whose shares may differ, the sums
   summed and divided by the count).
 - max / min / log-sum-exp / vector norm: the op on the local slice, every rank's result gathered
-  (`all_gather_replicated`, a new leading dim) and reduced again over the ranks.
+  (`all_gather_replicated`, a new leading dim) and reduced again over the ranks (over a zero-padded split, the
+  padding filled first with what never wins: -inf for a max or a log-sum-exp).
 - var / std: each rank's mean and sum of squared deviations, gathered and merged (Chan et al.).
 - LayerNorm, RMSNorm, softmax, log_softmax: two values per row (RMSNorm one) gathered with
   `all_gather`, whose backward reduce-scatters the partial gradients of the statistics; each rank
@@ -94,6 +95,12 @@ def _reduce(o: _Ops, node: Node, lookup: Lookup) -> Node:
 
         def lookup(n: Node) -> Node:
             return padded if n is o.x else inner(n)
+    if combine in ("max", "min", "logsumexp") and o.p.plain_padded:  # the padding filled with what never wins
+        fill = _never_wins(o.x.meta["val"].dtype, "max" if combine == "logsumexp" else combine)
+        filled, inner = _fill_padding(o, lookup(o.x), fill), lookup
+
+        def lookup(n: Node) -> Node:
+            return filled if n is o.x else inner(n)
     local = o.em.copy(node, lookup)  # the op itself on this rank's slice
     local.meta.pop("val", None)
     if combine in ("sum", "mean"):
@@ -111,6 +118,16 @@ def _reduce(o: _Ops, node: Node, lookup: Lookup) -> Node:
         return o.call(aten.logsumexp.default, ranks, [0])
     order = node.args[1] if len(node.args) > 1 else node.kwargs.get("ord", 2)
     return o.call(aten.linalg_vector_norm.default, ranks, order, [0])  # the norm of the ranks' norms
+
+
+def _fill_padding(o: _Ops, x: Node, fill: float) -> Node:
+    """x, this rank's block of a zero-padded split, with its padding (the block past its real entries) set to
+    `fill`: its real entries, then constants, which pass no gradient back."""
+    _, at, real, block = dim_layout(o.p, int(o.x.meta["val"].shape[o.p.dim]), o.ws).runs(o.em.rank)[0]
+    if real == block:
+        return x
+    pad = [0, 0] * (o.x.meta["val"].dim() - 1 - o.p.dim) + [0, block - real]
+    return o.call(aten.constant_pad_nd.default, o.call(aten.narrow.default, x, o.p.dim, at, real), pad, fill)
 
 
 def _even_tokens(o: _Ops) -> bool:

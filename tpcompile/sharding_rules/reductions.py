@@ -175,6 +175,8 @@ def _cannot(node: Node, spec: RuleSpec, ctx: RuleContext, p: Shard, dims: list[i
             return None  # the padding holds zeros: the ranks' sums add up to the real one
         if combine in ("var", "std") and p.plain_padded and dims == [p.dim] == [len(ctx.shape(node.args[0])) - 1]:
             return None  # each rank's moments over its real entries, merged with their counts (padding left out)
+        if combine in ("max", "min", "logsumexp") and p.plain_padded:
+            return None  # the padding filled with what never wins (-inf for a max or a log-sum-exp)
         return f"the split {p} holds shared or padded parts"
     if combine in ("var", "std") and (dims != [p.dim] or not isinstance(ctx.shape(node.args[0])[p.dim], int)):
         return "a variance from partial statistics is combined over the split dim alone"
