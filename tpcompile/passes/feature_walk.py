@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.fx import Node
 
+from tpcompile.passes.head_parts import split_along
 from tpcompile.sharding_rules import lookup
 
 POINTWISE = ("pointwise", "pointwise_inplace")  # elementwise op table rows, in place or not
@@ -98,7 +99,7 @@ def _feature_step(u: Node, cur: Node, fdim: int, offset: int, width: int) -> Any
     rule = spec.rule if spec is not None else None
     if u.target is operator.getitem:
         return None
-    if rule == "split" and u.args[0] is cur and (u.args[2] if len(u.args) > 2 else 0) % a.dim() == fdim:
+    if u.args[0] is cur and split_along(u, fdim, a.dim()):
         start = 0
         for i, part in enumerate(b):
             size = _known(part.shape[fdim])
