@@ -267,7 +267,8 @@ def balanced_bytes(model: torch.nn.Module, sm: Any) -> int:
         side = next((f"{s}_attention_heads" for s in ("encoder", "decoder") if f"{s}." in name), None)
         heads = getattr(cfg, side, None) if side else None
         heads = heads or getattr(cfg, "num_attention_heads", None)
-        return getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads else None)
+        found = getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads else None)
+        return found or _module_head_dim(model, name)
 
     sizes = {n: p.element_size() for n, p in model.named_parameters(remove_duplicate=False)}
     ws, total = sm.world_size, 0
@@ -287,6 +288,18 @@ def balanced_bytes(model: torch.nn.Module, sm: Any) -> int:
             unit = block or unit
             total += -(-seg // unit // ws) * unit * rest * item
     return total
+
+
+def _module_head_dim(model: torch.nn.Module, name: str) -> Optional[int]:
+    """The `head_dim` (an int) of the nearest module above parameter `name` that has one: for a model whose config
+    keeps its head counts in per-part sub-configs (BLT's patcher, encoder, global transformer and decoder)."""
+    path = name.split(".")[:-1]
+    while path:
+        found = getattr(model.get_submodule(".".join(path)), "head_dim", None)
+        if isinstance(found, int):
+            return found
+        path.pop()
+    return None
 
 
 def _block_units(sm: Any) -> dict[str, int]:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -65,3 +67,43 @@ def test_a_kind_blanks_layouts_and_how_many_names() -> None:
         "because m.h.0.a, m.h.1.a, m.h.1.b are replicated"
     assert zoo_uneven.new_warnings([three], {"ws": {"2": {"warnings": [two]}}}) == []
     assert zoo_uneven.new_warnings([three.replace("needs R", "needs S(1)")], {"ws": {"2": {"warnings": [two]}}})
+
+
+class _Heads(torch.nn.Module):
+    """Attention with 4 heads of 16 whose sizes only the module itself knows (`head_dim`)."""
+
+    head_dim = 16
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (torch.nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, 4, 16).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, 64))
+
+
+class _SubConfigs(torch.nn.Module):
+    """A model whose config holds no head counts (they are in per-part sub-configs, as BLT's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace()
+        self.self_attn = _Heads()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.self_attn(x)
+
+
+def test_balanced_measure_takes_the_head_size_from_the_attention_module() -> None:
+    """4 heads at 3 ranks put 2 heads (32 rows) on the largest rank, as a split balanced by heads does: the measure
+    finds the head size on the module when the config has none, instead of counting 22 rows of single features."""
+    import tpcompile
+    from hf_models import balanced_bytes, param_bytes
+
+    model = _SubConfigs()
+    sm = tpcompile.shard(model, 3, example_inputs=(torch.randn(2, 5, 64),))
+    assert sm.plan.parameters["self_attn.q_proj.weight"].local_shape == (32, 64)
+    assert balanced_bytes(model, sm) == param_bytes(model, sm)[0]
