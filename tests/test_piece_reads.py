@@ -216,3 +216,34 @@ def test_a_piece_mixed_into_activations_is_not_a_weight_read_in_pieces() -> None
     sm, said = _shard(model, x)
     assert not said
     _exact(sm, model, x)
+
+
+class ExpertsThenCumsum(nn.Module):
+    """Experts picked out of one (experts, out, in) weight (a rule splits those by the experts' rows), whose sum
+    then goes through a cumulative sum along the features, which needs them whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(2, 16, 8))
+        self.o = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = sum(F.linear(x, self.w[e]) for e in range(2))
+        return self.o(torch.cumsum(y, dim=-1))
+
+
+def test_experts_picked_by_id_and_kept_whole_for_another_reason_are_warned_once() -> None:
+    """The experts' weight stays whole because of the cumulative sum, which is the one warning: not a second one
+    saying that no rule splits a piece picked by `w[e]` (one does; the warning would send the user the wrong way)."""
+    torch.manual_seed(0)
+    model = ExpertsThenCumsum()
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        sm = tpcompile.shard(model, 2, example_inputs=(torch.randn(3, 8),))
+    said = [str(w.message) for w in got if issubclass(w.category, tpcompile.TPCompileWarning)]
+    assert len(said) == 1 and "cumsum" in said[0], said
+    assert sm.plan.parameters["w"].role == "replicated"
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        for out in tpcompile.simulate(sm, x):
+            torch.testing.assert_close(out, model(x), atol=1e-5, rtol=0)

@@ -46,8 +46,8 @@ def _piece_matmul(param: Node) -> Optional[tuple[Node, Node]]:
             seen.add(user)
             rule = getattr(lookup(user.target), "rule", None)
             spec = user.meta.get("tp_rule")
-            if rule in _MATMULS and cut is not None and not (spec and (spec.get("weight_piece") or
-                                                                       spec.get("bias_piece"))):
+            if rule in _MATMULS and cut is not None and not (spec and (spec.get("weight_piece") or spec.get(
+                    "bias_piece") or spec.get("view"))):  # row pieces, and experts' pieces picked by id, have rules
                 return cut, user
             if rule in _CUTS:
                 stack.append((user, cut or user))
