@@ -3,7 +3,8 @@
 Experts are either a ModuleList of SwiGLU MLPs (Mixtral's original code, DeepSpeed) or fused 3-D
 weights (`w13` (experts, 2 * inner, width) and `w2` (experts, width, inner), as transformers 5 and
 vLLM store them) applied by bmm on the weights gathered per token (`w13[ids]`), by einsum over
-every expert, or one expert at a time (`w13[e]`). The router picks the top k experts per token;
+every expert, one expert at a time (`w13[e]`), or on the tokens grouped by expert, the experts'
+outputs joined by token before gate | up is chunked (ScatterMoE's layout, JetMoE's). The router picks the top k experts per token;
 a shared expert (DeepSeek, Qwen2-MoE) runs on every token, gated by a sigmoid in the Qwen style.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-LAYOUTS = ("list_dense", "list_sparse", "bmm", "einsum", "loop")
+LAYOUTS = ("list_dense", "list_sparse", "bmm", "einsum", "loop", "grouped")
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,17 @@ class MoE(nn.Module):
             gate, up = F.linear(h, self.w13[e]).chunk(2, dim=-1)
             out = out + F.linear(F.silu(gate) * up, self.w2[e]) * dense[:, e:e + 1]
         return out
+
+    def _grouped(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        order = ids.reshape(-1).argsort(stable=True)  # (token, slot) pairs grouped by expert
+        tok = order // self.cfg.top_k
+        sizes = (dense > 0).long().sum(0).tolist()  # tokens per expert
+        parts = h[tok].split(sizes, dim=0)
+        hid = torch.cat([F.linear(p, self.w13[e]) for e, p in enumerate(parts)], dim=0)  # all experts, by token
+        gate, up = hid.chunk(2, dim=-1)
+        acts = (F.silu(gate) * up).split(sizes, dim=0)
+        y = torch.cat([F.linear(a, self.w2[e]) for e, a in enumerate(acts)], dim=0)
+        return torch.zeros_like(h).index_add(0, tok, y * w.reshape(-1)[order, None])
 
 
 class Block(nn.Module):

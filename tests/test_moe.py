@@ -108,3 +108,21 @@ def test_llama_style_moe_held_share() -> None:
     model = build_moe(layout="list_dense", width=64, inner=64, heads=4, vocab=128)
     sm = tpcompile.shard(model, 2, example_inputs=(torch.randint(0, 64, (2, 8)),))
     assert held_share(model, sm) <= 0.625 and not sm.plan.warnings
+
+
+def test_experts_joined_by_token_split_at_three_ranks() -> None:
+    """Tokens grouped by expert, each expert's linear, the outputs joined by token, then gate | up chunked
+    (ScatterMoE's layout, JetMoE's): at 3 ranks, where 16 rows do not divide, gate and up are each zero-padded
+    segments of 6 rows a rank, w2 their 6 columns; exact, no warning, one all-reduce per MoE layer."""
+    model = build_moe(layout="grouped")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpcompile.TPCompileWarning)
+        sm = tpcompile.shard(model, 3, example_inputs=(torch.randint(0, 64, (2, 8)),))
+    w13, w2 = sm.plan.parameters["blocks.0.moe.w13"], sm.plan.parameters["blocks.0.moe.w2"]
+    assert (w13.segments, w13.local_shape, w2.local_shape) == ((16, 16), (4, 12, 32), (4, 32, 6))
+    assert per_block(sm)["0"] == ["all_reduce", "all_reduce"]
+    ids = torch.randint(0, 64, (3, 11))
+    with torch.no_grad():
+        ref = model(ids)
+        for got in tpcompile.simulate(sm, ids):
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)

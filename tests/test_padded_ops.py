@@ -13,6 +13,7 @@ import torch
 import tpcompile
 from tpcompile.runtime import launch
 
+from moe_models import build_moe
 from padded_models import (
     NormedMLP, SubNormAttention, GatedAttention, GateViewAs, RowsPerHead, AlibiAttention, StackedGateMLP, ShortConv,
     PaddedTokens, ConvLinearAttention, GatedHeadNorm, InterleavedGLU, SparseActivationMLP, GateTimesWhole,
@@ -268,6 +269,10 @@ def _on_gloo(rank: int) -> dict:
     ids = torch.randint(0, 64, (3, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         out["EmbeddingPlusProjection"] = float((gm(ids) - model(ids)).abs().max())
+    model = build_moe(layout="grouped")  # experts joined by token, gate | up in padded segments
+    gm = tpcompile.parallelize(model, example_inputs=(torch.randint(0, 64, (2, 8)),))
+    with torch.no_grad():
+        out["grouped MoE"] = float((gm(ids) - model(ids)).abs().max())
     torch.manual_seed(0)
     model = NormedMLP()
     xs = [torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(i)) for i in range(3)]
@@ -280,6 +285,7 @@ def _on_gloo(rank: int) -> dict:
 @pytest.mark.gloo
 def test_padded_models_on_three_processes() -> None:
     """tpcompile.parallelize on 3 gloo processes for every model above (widths, heads and channels the world size
-    does not divide): outputs equal the original's, and three SGD steps through the padded LayerNorm too."""
+    does not divide) and the MoE of experts joined by token (tests/test_moe.py): outputs equal the original's, and
+    three SGD steps through the padded LayerNorm too."""
     for rank, diffs in enumerate(launch(3, _on_gloo, timeout=300)):
-        assert len(diffs) == 17 and max(diffs.values()) < 1e-4, (rank, diffs)
+        assert len(diffs) == 18 and max(diffs.values()) < 1e-4, (rank, diffs)

@@ -297,8 +297,8 @@ def _walk(cur: Node, width: int, fdim: int, splits_only: bool = False) -> Option
         if moved is not None and moved != fdim and nxt.target in (torch.ops.aten.transpose.int,
                                                                   torch.ops.aten.permute.default):
             fdim = moved  # the features move (channels first for a convolution)
-        elif not last and keeps_features(nxt, cur, fdim):
-            pass  # channels first, through a depthwise convolution, an activation, a cut of the tokens
+        elif (not last or nxt.target is torch.ops.aten.cat.default) and keeps_features(nxt, cur, fdim):
+            pass  # channels first, through a depthwise convolution, an activation, a cut or a cat of the tokens
         elif spec is None or spec.rule not in _FOLLOW or not last or _last_dim(nxt) != width:
             return None
         else:

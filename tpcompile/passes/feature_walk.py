@@ -17,8 +17,11 @@ POINTWISE = ("pointwise", "pointwise_inplace")  # elementwise op table rows, in 
 def keeps_features(nxt: Node, cur: Node, fdim: int) -> bool:
     """True when `nxt` keeps the features of `cur` at dim `fdim`, each where it was: an elementwise op, a slice or a
     padding of another dim, or a depthwise convolution over them as channels (the short convolution of linear
-    attention)."""
+    attention), a cat along another dim (the experts' outputs, each a linear of its tokens, joined by token)."""
     a, b = cur.meta.get("val"), nxt.meta.get("val")
+    if nxt.target is torch.ops.aten.cat.default and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        at = nxt.args[1] if len(nxt.args) > 1 else nxt.kwargs.get("dim", 0)
+        return cur in nxt.args[0] and a.dim() == b.dim() and at % a.dim() != fdim and a.shape[fdim] == b.shape[fdim]
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() != b.dim() \
             or a.shape[fdim] != b.shape[fdim] or nxt.args[0] is not cur:
         return False

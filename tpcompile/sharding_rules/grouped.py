@@ -84,5 +84,7 @@ def cut_later(node: Node, d: int, limit: int = 16) -> bool:
 def on_one(p: Shard, shape: Sequence) -> Shard:
     """A one-piece split (whole on every rank) moved to the last dim of size 1 before it, where the heads
     of multi-query attention are broadcast from (so that expand splits them among the ranks)."""
-    ones = [d for d in range(p.dim) if shape[d] == 1]
-    return moved(p, ones[-1]) if p.pieces == 1 and ones else p
+    if p.pieces != 1:
+        return p
+    ones = [d for d in range(p.dim) if isinstance(shape[d], int) and shape[d] == 1]  # not a count of routed tokens
+    return moved(p, ones[-1]) if ones else p
