@@ -248,3 +248,25 @@ class EmbeddingPlusProjection(torch.nn.Module):
         e = self.emb(ids)
         h = e + self.a(e)
         return self.down(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.scale)
+
+
+class DiffAttention(torch.nn.Module):
+    """Differential attention (DiffLlama's): the value heads chunked into two halves, each repeated for every query
+    head; two attentions, their outputs joined by features, chunked into halves of the heads again and combined
+    pairwise (head i minus lambda times head i + h/2), normalised per pair, then the output projection."""
+
+    def __init__(self, heads: int = 4, width: int = 32) -> None:
+        super().__init__()
+        self.heads, self.head = heads, width // heads
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(width, width, bias=False) for _ in range(4))
+        self.lam = torch.nn.Parameter(torch.tensor(0.3))
+        self.norm = torch.nn.RMSNorm(2 * self.head)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, self.heads, self.head).transpose(1, 2) for p in (self.q, self.k, self.v))
+        v1, v2 = (half.repeat(1, 2, 1, 1) for half in torch.chunk(v, 2, dim=1))
+        a = torch.cat([F.scaled_dot_product_attention(q, k, v1, is_causal=True),
+                       F.scaled_dot_product_attention(q, k, v2, is_causal=True)], dim=-1).transpose(1, 2)
+        first, second = torch.chunk(a, 2, dim=2)
+        return x + self.o(self.norm(first - self.lam * second).reshape(b, t, -1))

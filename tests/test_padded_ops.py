@@ -17,7 +17,7 @@ from moe_models import build_moe
 from padded_models import (
     NormedMLP, SubNormAttention, GatedAttention, GateViewAs, RowsPerHead, AlibiAttention, StackedGateMLP, ShortConv,
     PaddedTokens, ConvLinearAttention, GatedHeadNorm, InterleavedGLU, SparseActivationMLP, GateTimesWhole,
-    LogitStats, EmbeddingPlusProjection)
+    LogitStats, EmbeddingPlusProjection, DiffAttention)
 from sgd_steps import sgd_losses
 
 
@@ -252,11 +252,12 @@ def test_mean_over_a_pending_sum_plus_a_padded_split() -> None:
 
 def _on_gloo(rank: int) -> dict:
     """On one of 3 gloo processes: each model above parallelized (the startup agreement compares the ranks'
-    schedules), its output against the original's; and SGD steps of the LayerNorm'd MLP against one process's."""
+    schedules), its output against the original's; and SGD steps of the LayerNorm'd MLP and the
+    differential attention against one process's."""
     out = {}
     for cls in (NormedMLP, SubNormAttention, GatedAttention, GateViewAs, RowsPerHead, AlibiAttention, StackedGateMLP,
                 ShortConv, PaddedTokens, ConvLinearAttention, GatedHeadNorm, InterleavedGLU, SparseActivationMLP,
-                GateTimesWhole, LogitStats):
+                GateTimesWhole, LogitStats, DiffAttention):
         torch.manual_seed(0)
         model = cls()
         gm = tpcompile.parallelize(model, example_inputs=(torch.randn(2, 5, 32),))
@@ -273,12 +274,13 @@ def _on_gloo(rank: int) -> dict:
     gm = tpcompile.parallelize(model, example_inputs=(torch.randint(0, 64, (2, 8)),))
     with torch.no_grad():
         out["grouped MoE"] = float((gm(ids) - model(ids)).abs().max())
-    torch.manual_seed(0)
-    model = NormedMLP()
-    xs = [torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(i)) for i in range(3)]
-    want = sgd_losses(copy.deepcopy(model).train(), xs, lr=0.1)
-    got = sgd_losses(tpcompile.parallelize(model, example_inputs=(torch.randn(2, 5, 32),)).train(), xs, lr=0.1)
-    out["sgd"] = max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(got, want))
+    for cls in (NormedMLP, DiffAttention):
+        torch.manual_seed(0)
+        model = cls()
+        xs = [torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        want = sgd_losses(copy.deepcopy(model).train(), xs, lr=0.1)
+        got = sgd_losses(tpcompile.parallelize(model, example_inputs=(torch.randn(2, 5, 32),)).train(), xs, lr=0.1)
+        out[f"sgd {cls.__name__}"] = max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(got, want))
     return out
 
 
@@ -286,6 +288,6 @@ def _on_gloo(rank: int) -> dict:
 def test_padded_models_on_three_processes() -> None:
     """tpcompile.parallelize on 3 gloo processes for every model above (widths, heads and channels the world size
     does not divide) and the MoE of experts joined by token (tests/test_moe.py): outputs equal the original's, and
-    three SGD steps through the padded LayerNorm too."""
+    three SGD steps through the padded LayerNorm and the differential attention's halves of heads too."""
     for rank, diffs in enumerate(launch(3, _on_gloo, timeout=300)):
-        assert len(diffs) == 18 and max(diffs.values()) < 1e-4, (rank, diffs)
+        assert len(diffs) == 20 and max(diffs.values()) < 1e-4, (rank, diffs)

@@ -9,6 +9,7 @@ from torch.fx import GraphModule, Node
 
 from tpcompile.passes.feature_walk import POINTWISE, heads_through, keeps_features, moved_dim as _moved_dim, nested
 from tpcompile.passes.head_groups import mark_head_groups
+from tpcompile.passes.head_runs import align_head_runs
 from tpcompile.passes.head_parts import head_parts, split_along
 from tpcompile.passes.param_pieces import mark_pieces
 from tpcompile.passes.pass_context import PassContext, module_path, owner_path
@@ -48,6 +49,7 @@ def annotate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
         node.meta["tp_rule"] = _contraction(node, ctx) or spec
     mark_pieces(gm, ctx)  # linears reading row pieces of a parameter: each piece a weight of its own
     mark_kept_whole(gm, ctx)
+    align_head_runs(gm, ctx)  # projections an attention reads cut into the same runs of heads
     mark_head_groups(gm, ctx)  # grouped-query attention best split by whole groups of query heads
     return gm
 
@@ -106,35 +108,38 @@ def _stacked_segments(reshape: Node, width: int) -> Optional[tuple[int, ...]]:
         d -= 1
         prod *= shape[d]
     k = shape[d] if d < len(shape) else None
-    if prod != width or k is None or k <= 1 or d == len(shape) - 1 or not _unbound_later(reshape, d):
+    runs = _unbound_later(reshape, d) if prod == width and k is not None and k > 1 and d != len(shape) - 1 else None
+    if runs is None or sum(runs) != k:
         return None
     if any(split_along(u, d, len(shape)) and len({int(v.shape[d]) for v in u.meta["val"]}) > 1
            for u in reshape.users):
         return None  # cut into unequal runs of heads (q | k | v of multi-query): head_parts.py
-    return (width // k,) * k
+    return tuple(r * (width // k) for r in runs)
 
 
-def _unbound_later(node: Node, d: int) -> bool:
-    """True when dim d of node, followed through transposes and permutes, is split or unbound."""
+def _unbound_later(node: Node, d: int) -> Optional[tuple[int, ...]]:
+    """The runs dim d of node, followed through transposes and permutes, is cut into: one entry each when it is
+    unbound or picked from, the pieces' sizes when it is split (DiffLlama's heads chunked into two halves)."""
     for _ in range(6):
         users = list(node.users)
         if not users:
-            return False
+            return None
         for u in users:
             spec = lookup(u.target)
             if spec is not None and spec.rule in ("unbind", "split", "select"):
                 i = 2 if spec.rule == "split" else 1
                 dim = u.args[i] if len(u.args) > i else u.kwargs.get("dim", 0)
-                if dim % u.args[0].meta["val"].dim() == d:
-                    return True
+                size = u.args[0].meta["val"].shape[d]
+                if dim % u.args[0].meta["val"].dim() == d and isinstance(size, int):
+                    return tuple(int(v.shape[d]) for v in u.meta["val"]) if spec.rule == "split" else (1,) * size
         if len(users) != 1:
-            return False
+            return None
         u = users[0]
         moved = _moved_dim(u, d)
         if moved is None and (lookup(u.target) is None or lookup(u.target).rule != "pointwise"):
-            return False
+            return None
         d, node = d if moved is None else moved, u
-    return False
+    return None
 
 
 def _sliced_segments(node: Node, width: Optional[int]) -> Optional[tuple[tuple[int, ...], list[Node]]]:

@@ -40,7 +40,7 @@ from tpcompile.passes.pass_context import PassContext
 from tpcompile.sharding_rules import RuleSpec
 from tpcompile.sharding_rules.rule_context import weight_view
 
-_SDPA = (torch.ops.aten.scaled_dot_product_attention.default,)
+SDPA = (torch.ops.aten.scaled_dot_product_attention.default,)
 _WALK = 64  # nodes visited back from an attention input before giving up
 
 
@@ -48,13 +48,15 @@ def mark_head_groups(gm: GraphModule, ctx: PassContext) -> None:
     """Set `unit` on the query projection of each grouped-query attention best split by whole groups."""
     ws = ctx.world_size
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in _SDPA or len(node.args) < 3:
+        if node.op != "call_function" or node.target not in SDPA or len(node.args) < 3:
             continue
-        found = [_projection(a, ctx) for a in node.args[:3]]
+        found = [projection(a, ctx) for a in node.args[:3]]
         q_val = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
         if any(f is None for f in found) or q_val is None:
             continue
         fused = len({id(f) for f in found}) == 1  # one q|k|v projection (Phi-3): its three segments
+        if not fused and any(f.meta["tp_rule"].get("segments") for f in found):
+            continue  # runs of heads, each padded by whole heads (passes/head_runs.py)
         segments = found[0].meta["tp_rule"].get("segments") if fused else None
         if fused and (segments is None or len(segments) != 3) or not fused and len({id(f) for f in found}) < 3:
             continue
@@ -143,7 +145,7 @@ def _set_units(found: list, fused: bool, units: tuple) -> None:
         proj.meta["tp_rule"] = RuleSpec(spec.rule, {**spec.args, "unit": unit})
 
 
-def _projection(arg: object, ctx: PassContext) -> Optional[Node]:
+def projection(arg: object, ctx: PassContext) -> Optional[Node]:
     """The one linear with a 2-D parameter weight that an attention input is computed from, if there is one."""
     if not isinstance(arg, Node):
         return None

@@ -65,12 +65,19 @@ def _fail(x: Node, why: str) -> Result:
 @rule("repeat")
 def repeat(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """x.repeat(*sizes): tiles x, new dims in front. A split dim repeated once keeps its split (on the dim it
-    becomes); tiling along a split dim would interleave the ranks' blocks, and is refused."""
+    becomes); repeated r times, each rank's blocks tiled are its blocks of r copies of the split, segments of
+    their own (DiffLlama's halves of the value heads, each repeated for every query head); refused in pieces or
+    blocks of its own (the ranks' tiles would interleave)."""
     x, sizes = node.args[0], list(node.args[1])
     p = ctx.placement(x)
     if not isinstance(p, Shard):
         return Result(REPLICATE, [Want(x, REPLICATE)])
     lead = len(sizes) - len(ctx.shape(x))
+    r, size = sizes[lead + p.dim], ctx.shape(x)[p.dim]
+    if r != 1 and isinstance(r, int) and isinstance(size, int) and split_dims(p) == (p.dim,) and p.pieces is None \
+            and p.outer is None and not p.seq and not p.rank_cuts:
+        copies = replace(p, segments=tuple(p.segments or (size,)) * r, cuts=None if p.cuts is None else p.cuts * r)
+        return Result(moved(copies, lead + p.dim), [Want(x, p)])
     if any(sizes[lead + d] != 1 for d in split_dims(p)):
         return _fail(x, f"repeats along the split dim {p.dim} ({sizes[lead + p.dim]} times)")
     return Result(moved(p, lead + p.dim), [Want(x, p)])

@@ -110,6 +110,12 @@ def _group_cut(node: Node, spec: RuleSpec, ctx: RuleContext, x: Node, w: Node, b
     return Result(out, [ctx.replicated_want(x, out)], role="column", params=params)
 
 
+def _runs_of_heads(p: Shard, ctx: RuleContext) -> bool:
+    """Heads in segments, each split among all the ranks (DiffLlama's two halves, passes/head_runs.py)."""
+    return p.segments is not None and p.outer is None and p.pieces is None and not p.seq \
+        and not p.fewer(ctx.world_size)
+
+
 def _batch_split(px: Any, xshape: Any, bias: Any) -> bool:
     """An input split (plainly, or zero-padded when no bias makes the padding non-zero) on a leading dim of x @ W."""
     return isinstance(px, Shard) and xshape is not None and px.dim < len(xshape) - 1 and not px.seq \
@@ -225,7 +231,7 @@ def sdpa(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     # whole heads per rank; heads zero-padded to a multiple of the ranks when their count does not divide
     # (the query's layout leads: keys and values laid out otherwise are blamed, so they are the ones kept whole)
     target = next((p for n in (q, k, v) if n not in one and isinstance(p := ctx.placement(n), Shard)
-                   and p.dim == 1 and (p.plain or p.plain_padded or p.rank_cuts)), Shard(1))
+                   and p.dim == 1 and (p.plain or p.plain_padded or p.rank_cuts or _runs_of_heads(p, ctx))), Shard(1))
     for n in (k, v, mask, q):
         p = ctx.placement(n) if isinstance(n, Node) else None
         shared = p == Shard(1, pieces=1) and target.plain_padded  # whole on every rank: its padded part is cut
