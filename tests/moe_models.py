@@ -4,8 +4,9 @@ Experts are either a ModuleList of SwiGLU MLPs (Mixtral's original code, DeepSpe
 weights (`w13` (experts, 2 * inner, width) and `w2` (experts, width, inner), as transformers 5 and
 vLLM store them) applied by bmm on the weights gathered per token (`w13[ids]`), by einsum over
 every expert, one expert at a time (`w13[e]`), or on the tokens grouped by expert, the experts'
-outputs joined by token before gate | up is chunked (ScatterMoE's layout, JetMoE's). The router picks the top k experts per token;
-a shared expert (DeepSeek, Qwen2-MoE) runs on every token, gated by a sigmoid in the Qwen style.
+outputs joined by token before gate | up is chunked (ScatterMoE's layout, JetMoE's). The router
+picks the top k experts per token; a shared expert (DeepSeek, Qwen2-MoE) runs on every token, gated
+by a sigmoid in the Qwen style.
 """
 from __future__ import annotations
 
