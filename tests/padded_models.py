@@ -270,3 +270,36 @@ class DiffAttention(torch.nn.Module):
                        F.scaled_dot_product_attention(q, k, v2, is_causal=True)], dim=-1).transpose(1, 2)
         first, second = torch.chunk(a, 2, dim=2)
         return x + self.o(self.norm(first - self.lam * second).reshape(b, t, -1))
+
+
+class PairedHeads(torch.nn.Module):
+    """Zamba's Mamba in_proj: its output features are (hidden, gate) pairs viewed as (B, F / 2, 2, T) and chunked
+    into the two members; the hidden goes through a depthwise convolution and both are cut into 3 heads of 16,
+    a softmax over each head's features: the unit of the projection is a pair times a head (32 rows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_proj, self.out_proj = torch.nn.Linear(32, 96), torch.nn.Linear(48, 32)
+        self.conv = torch.nn.Conv1d(48, 48, 3, groups=48, padding=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        hidden, gate = self.in_proj(x).transpose(1, 2).view(b, -1, 2, t).chunk(2, dim=2)
+        hidden = F.silu(self.conv(hidden.squeeze(2))[..., :t]).reshape(b, 3, 16, t).softmax(dim=2)
+        y = hidden * F.silu(gate.reshape(b, 3, 16, t))
+        return self.out_proj(y.reshape(b, 48, t).transpose(1, 2))
+
+
+class WholeInputConvHeads(torch.nn.Module):
+    """A depthwise convolution fed the whole input (48 channels), its output cut into 3 heads of 16, a softmax over
+    each head's features, then a projection: the convolution's channels split by whole heads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv1d(48, 48, 3, groups=48, padding=2)
+        self.out_proj = torch.nn.Linear(48, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.conv(torch.cat([x, x[..., :16]], dim=-1).transpose(1, 2))[..., :t]
+        return self.out_proj(h.reshape(b, 3, 16, t).softmax(dim=2).reshape(b, 48, t).transpose(1, 2))

@@ -17,7 +17,7 @@ from moe_models import build_moe
 from padded_models import (
     NormedMLP, SubNormAttention, GatedAttention, GateViewAs, RowsPerHead, AlibiAttention, StackedGateMLP, ShortConv,
     PaddedTokens, ConvLinearAttention, GatedHeadNorm, InterleavedGLU, SparseActivationMLP, GateTimesWhole,
-    LogitStats, EmbeddingPlusProjection, DiffAttention)
+    LogitStats, EmbeddingPlusProjection, DiffAttention, PairedHeads, WholeInputConvHeads)
 from sgd_steps import sgd_losses
 
 
@@ -194,6 +194,27 @@ def test_interleaved_pairs_are_split_whole(ws: int) -> None:
     assert sm.plan.parameters["gate_up.weight"].local_shape == (2 * -(-50 // ws), 32)
 
 
+@pytest.mark.parametrize("ws", [2, 3, 4])
+def test_pairs_whose_members_are_cut_into_heads_split_by_pair_heads(ws: int) -> None:
+    """Zamba's (hidden, gate) pairs viewed as (B, F / 2, 2, T), each member cut into 3 heads of 16 later (through
+    a depthwise convolution for the hidden): the projection's unit is 16 pairs (32 rows), so each rank holds whole
+    heads of both members; before, at 2 and 4 ranks the blocks (48 and 24 rows) cut a head, and the projection
+    was replicated with a warning."""
+    torch.manual_seed(0)
+    sm = _split(PairedHeads(), ws, ("in_proj.weight",), ("out_proj.weight",), one_all_reduce=True)
+    assert sm.plan.parameters["in_proj.weight"].local_shape == (32 * -(-3 // ws), 32)
+    assert sm.plan.parameters["conv.weight"].local_shape == (16 * -(-3 // ws), 1, 3)
+
+
+@pytest.mark.parametrize("ws", [2, 4, 6])
+def test_depthwise_convolution_of_a_whole_input_pads_by_the_heads_it_feeds(ws: int) -> None:
+    """A depthwise convolution fed a whole input, its 48 channels cut into 3 heads of 16 later: split (zero-padded)
+    by whole heads; before, 24 or 12 channels a rank cut a head (or 8 at 6 ranks), and it was replicated."""
+    torch.manual_seed(0)
+    sm = _split(WholeInputConvHeads(), ws, ("conv.weight",), ("out_proj.weight",), one_all_reduce=True)
+    assert sm.plan.parameters["conv.weight"].local_shape == (16 * -(-3 // ws), 1, 3)
+
+
 @pytest.mark.parametrize("ws", [3, 6])
 def test_std_over_a_padded_split_merges_moments(ws: int) -> None:
     """A std over 100 features at 3 and 6 ranks, zero-padded: each rank's moments over its real entries merged with
@@ -257,7 +278,7 @@ def _on_gloo(rank: int) -> dict:
     out = {}
     for cls in (NormedMLP, SubNormAttention, GatedAttention, GateViewAs, RowsPerHead, AlibiAttention, StackedGateMLP,
                 ShortConv, PaddedTokens, ConvLinearAttention, GatedHeadNorm, InterleavedGLU, SparseActivationMLP,
-                GateTimesWhole, LogitStats, DiffAttention):
+                GateTimesWhole, LogitStats, DiffAttention, PairedHeads, WholeInputConvHeads):
         torch.manual_seed(0)
         model = cls()
         gm = tpcompile.parallelize(model, example_inputs=(torch.randn(2, 5, 32),))
@@ -290,4 +311,4 @@ def test_padded_models_on_three_processes() -> None:
     does not divide) and the MoE of experts joined by token (tests/test_moe.py): outputs equal the original's, and
     three SGD steps through the padded LayerNorm and the differential attention's halves of heads too."""
     for rank, diffs in enumerate(launch(3, _on_gloo, timeout=300)):
-        assert len(diffs) == 20 and max(diffs.values()) < 1e-4, (rank, diffs)
+        assert len(diffs) == 22 and max(diffs.values()) < 1e-4, (rank, diffs)

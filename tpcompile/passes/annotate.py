@@ -7,7 +7,8 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from tpcompile.passes.feature_walk import POINTWISE, heads_through, keeps_features, moved_dim as _moved_dim, nested
+from tpcompile.passes.feature_walk import (POINTWISE, channel_heads, heads_through, keeps_features,
+                                          moved_dim as _moved_dim, nested)
 from tpcompile.passes.head_groups import mark_head_groups
 from tpcompile.passes.head_runs import align_head_runs
 from tpcompile.passes.head_parts import head_parts, split_along
@@ -44,6 +45,8 @@ def annotate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
             heads = _heads(parts, segments or (_last_dim(node),))
             if segments or heads:
                 spec = RuleSpec(spec.rule, {**spec.args, "segments": segments, "heads": heads})
+        if spec is not None and spec.rule == "weight_conv" and channel_heads(node, spec):
+            spec = RuleSpec(spec.rule, {**spec.args, "heads": (channel_heads(node, spec),)})
         if spec is not None and spec.rule in ("weight_matmul", "weight_conv", "embedding"):
             spec = RuleSpec(spec.rule, {**spec.args, "owner": _owner(node, spec, ctx)})
         node.meta["tp_rule"] = _contraction(node, ctx) or spec

@@ -69,17 +69,19 @@ def moved_dim(u: Node, d: int) -> Optional[int]:
     return None
 
 
-def heads_through(value: Node, width: int, limit: int = 24) -> Optional[int]:
+def heads_through(value: Node, width: int, limit: int = 24, fdim: Optional[int] = None) -> Optional[int]:
     """d where `value`'s `width` features, followed as a run [offset, offset + width) of a feature dim, are cut into
     heads of d by a reshape of that dim to (.., h, d, ..): through elementwise ops, transposes, a depthwise
     convolution, a cat with other features along that dim (q|k|v concatenated before linear attention's short
     convolution) and the part of a split holding the run; or folded into rows, (.., h * d) -> (rows * h, d) (a
-    gate of heads normalised per head); or s for a slice taking every s-th of them (interleaved gate|up pairs).
-    None when no such op is found."""
+    gate of heads normalised per head); or s for a slice taking every s-th of them (interleaved gate|up pairs);
+    for pairs viewed as (.., F / s, s, ..) whose members are then cut apart and cut into heads of d each, s x d
+    (Zamba's hidden | gate pairs, the hidden cut into Mamba heads). None when no such op is found. `fdim`: the
+    feature dim of `value` (else its last dim of size `width`)."""
     val = value.meta.get("val")
     if not isinstance(val, torch.Tensor) or not val.dim():
         return None
-    dims = [d for d in range(val.dim()) if _known(val.shape[d]) == width]
+    dims = [fdim] if fdim is not None else [d for d in range(val.dim()) if _known(val.shape[d]) == width]
     todo, seen = [(value, dims[-1], 0)] if dims else [], set()
     while todo and len(seen) < limit:
         cur, fdim, offset = todo.pop(0)
@@ -123,13 +125,17 @@ def _feature_step(u: Node, cur: Node, fdim: int, offset: int, width: int) -> Any
             and args[4] > 1 and width % args[4] == 0 and offset == 0 and _known(a.shape[fdim]) == width:
         return args[4]  # every s-th feature (gate|up interleaved, `[..., ::2]` and `[..., 1::2]`): units of s
     moved = moved_dim(u, fdim)
-    if moved is not None and u.target in (torch.ops.aten.transpose.int, torch.ops.aten.permute.default):
+    if moved is not None and u.target in (torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
+                                          torch.ops.aten.squeeze.dim, torch.ops.aten.unsqueeze.default):
         return u, moved, offset
     same = list(map(str, b.shape[:fdim])) == list(map(str, a.shape[:fdim]))  # symbolic sizes compared as written
     if rule == "reshape" and b.dim() == a.dim() + 1 and same and None not in (_known(b.shape[fdim]), _known(
             b.shape[fdim + 1])) and b.shape[fdim] * b.shape[fdim + 1] == _known(a.shape[fdim]):
         d = int(b.shape[fdim + 1])  # (.., F, ..) -> (.., h, d, ..): the run is whole heads of d
-        return d if offset % d == 0 and width % d == 0 and d < width else None
+        if offset % d or width % d or d >= width:
+            return None
+        member = _member_heads(u, fdim, d) if offset == 0 and _known(a.shape[fdim]) == width else None
+        return d * member if member and (width // d) % member == 0 else d
     if rule == "reshape" and fdim == a.dim() - 1 and b.dim() <= a.dim() and _known(b.shape[-1]) \
             and _known(a.shape[fdim]) == width:  # (.., h * d) -> (rows * h, d): heads folded into the rows
         d = int(b.shape[-1])
@@ -138,6 +144,27 @@ def _feature_step(u: Node, cur: Node, fdim: int, offset: int, width: int) -> Any
     if keeps_features(u, cur, fdim) or rule in POINTWISE and b.dim() == a.dim() and size is not None \
             and _known(b.shape[fdim]) == size:
         return u, fdim, offset
+    return None
+
+
+def channel_heads(conv: Node, spec: Any) -> Optional[int]:
+    """The head size a depthwise convolution's channels (dim 1) are cut into further on, else None."""
+    val, i = conv.meta.get("val"), spec.get("groups_arg")
+    groups = conv.args[i] if i is not None and i < len(conv.args) else 1
+    if not isinstance(val, torch.Tensor) or val.dim() < 3 or not isinstance(val.shape[1], int) \
+            or groups != val.shape[1] or groups < 2:
+        return None
+    return heads_through(conv, int(val.shape[1]), fdim=1)
+
+
+def _member_heads(pairs: Node, fdim: int, s: int) -> Optional[int]:
+    """d when `pairs` (.., h, s, ..) is split along its dim fdim + 1 into its s members and the first member's h
+    features are cut into heads of d further on."""
+    val = pairs.meta["val"]
+    for u in pairs.users:
+        if split_along(u, fdim + 1, val.dim()) and len(u.meta["val"]) == s:
+            first = [g for g in u.users if g.target is operator.getitem and g.args[1] == 0]
+            return heads_through(first[0], int(val.shape[fdim]), fdim=fdim) if first else None
     return None
 
 

@@ -113,9 +113,12 @@ def _grouped(node: Node, spec: RuleSpec, ctx: RuleContext, tensors: list) -> Res
     if src is None:
         return Result(REPLICATE, whole, conflict="grouped convolution with a computed weight on a split input")
     channels = ctx.shape(x)[1] if ctx.shape(x) is not None and len(ctx.shape(x)) > 1 else None
-    if isinstance(px, Replicate) and groups % ctx.world_size and groups == channels and channels >= ctx.world_size:
-        # depthwise on a whole input, its channels zero-padded to a multiple of the ranks: a local slice each
-        padded = Shard(1, cuts=pad_cuts(padded_size(channels, ctx.world_size), ctx.world_size))
+    unit = (spec.get("heads") or (1,))[0] or 1  # the head size its channels are cut into later (annotate)
+    if isinstance(px, Replicate) and groups == channels and channels >= ctx.world_size \
+            and channels % (ctx.world_size * unit):
+        # depthwise on a whole input, its channels zero-padded to a multiple of the ranks (by whole heads when
+        # cut into heads later, Zamba's Mamba heads): a local slice each
+        padded = Shard(1, cuts=pad_cuts(padded_size(channels, ctx.world_size * unit), ctx.world_size))
         return _own_groups(node, spec, ctx, src, padded, "column", padded)
     if isinstance(px, Replicate):  # a whole input: this rank's groups' channels are a local slice of it
         if groups % ctx.world_size:
