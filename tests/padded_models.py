@@ -303,3 +303,28 @@ class WholeInputConvHeads(torch.nn.Module):
         b, t, _ = x.shape
         h = self.conv(torch.cat([x, x[..., :16]], dim=-1).transpose(1, 2))[..., :t]
         return self.out_proj(h.reshape(b, 3, 16, t).softmax(dim=2).reshape(b, 48, t).transpose(1, 2))
+
+
+class Recurrent(torch.nn.Module):
+    """HRM's cycles: one attention + MLP block applied three times to a state plus the input, the first two under
+    no_grad (the block's weights read detached there), the last with gradients."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.up, self.down = torch.nn.Linear(dim, 64), torch.nn.Linear(64, dim)
+        self.register_buffer("init", 0.1 * torch.randn(dim))
+
+    def block(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (p(F.rms_norm(x, (d,))).view(b, t, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        x = x + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
+        return x + self.down(F.gelu(self.up(F.rms_norm(x, (d,)))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = self.init.expand_as(x)
+        with torch.no_grad():
+            for _ in range(2):
+                state = self.block(state + x)
+        return self.block(state + x)

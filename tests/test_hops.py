@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._higher_order_ops import map as hop_map
+from padded_models import Recurrent
 
 import tpcompile
 from tpcompile.passes.rank_module import local_tensor
@@ -215,6 +216,21 @@ def test_grad_mode_regions_are_inlined_without_gradient(ws: int) -> None:
     assert sm.plan.modules == {"up": "column", "down": "row"}
     assert _largest_share(model, sm) <= 1.25 / ws
     _check_equal(model, sm, torch.randn(3, 7, 16), train=True)
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_a_block_applied_under_no_grad_and_with_grad_is_split_once(ws: int) -> None:
+    """The same block applied under no_grad (its weights read detached) and with gradients: its weights are split
+    once, column and row, for every application; no warning; outputs and gradients (the last application's only)
+    equal the original's. Before, the detached reads were not weights, each weight was used both split and whole,
+    and every projection was replicated."""
+    torch.manual_seed(0)
+    model = Recurrent()
+    sm, warned = _shard(model, ws, torch.randn(2, 5, 32))
+    assert not warned, warned
+    assert sm.plan.modules == {"q": "column", "k": "column", "v": "column", "o": "row", "up": "column",
+                               "down": "row"}
+    _check_equal(model, sm, torch.randn(3, 7, 32), train=True)
 
 
 @pytest.mark.parametrize("ws", [2, 4])

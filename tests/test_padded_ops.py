@@ -17,7 +17,7 @@ from moe_models import build_moe
 from padded_models import (
     NormedMLP, SubNormAttention, GatedAttention, GateViewAs, RowsPerHead, AlibiAttention, StackedGateMLP, ShortConv,
     PaddedTokens, ConvLinearAttention, GatedHeadNorm, InterleavedGLU, SparseActivationMLP, GateTimesWhole,
-    LogitStats, EmbeddingPlusProjection, DiffAttention, PairedHeads, WholeInputConvHeads)
+    LogitStats, EmbeddingPlusProjection, DiffAttention, PairedHeads, WholeInputConvHeads, Recurrent)
 from sgd_steps import sgd_losses
 
 
@@ -278,7 +278,7 @@ def _on_gloo(rank: int) -> dict:
     out = {}
     for cls in (NormedMLP, SubNormAttention, GatedAttention, GateViewAs, RowsPerHead, AlibiAttention, StackedGateMLP,
                 ShortConv, PaddedTokens, ConvLinearAttention, GatedHeadNorm, InterleavedGLU, SparseActivationMLP,
-                GateTimesWhole, LogitStats, DiffAttention, PairedHeads, WholeInputConvHeads):
+                GateTimesWhole, LogitStats, DiffAttention, PairedHeads, WholeInputConvHeads, Recurrent):
         torch.manual_seed(0)
         model = cls()
         gm = tpcompile.parallelize(model, example_inputs=(torch.randn(2, 5, 32),))
@@ -311,4 +311,4 @@ def test_padded_models_on_three_processes() -> None:
     does not divide) and the MoE of experts joined by token (tests/test_moe.py): outputs equal the original's, and
     three SGD steps through the padded LayerNorm and the differential attention's halves of heads too."""
     for rank, diffs in enumerate(launch(3, _on_gloo, timeout=300)):
-        assert len(diffs) == 22 and max(diffs.values()) < 1e-4, (rank, diffs)
+        assert len(diffs) == 23 and max(diffs.values()) < 1e-4, (rank, diffs)

@@ -31,7 +31,7 @@ from tpcompile.layouts import dim_layout
 from tpcompile.placement import (PARTIAL, REPLICATE, ParamSlice, Replicate, Shard, moved, pad_cuts, padded_size,
                                  param_cut)
 from tpcompile.sharding_rules.registry import rule
-from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, param_behind
+from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, param_behind, undetached
 from tpcompile.sharding_rules.table import RuleSpec
 
 
@@ -59,7 +59,7 @@ def _channel_split(p: Any) -> bool:
 def weight_conv(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """A convolution whose channels are dim 1 of input and output: column split on a whole input, row split on
     one split by channels; grouped ones by whole groups."""
-    x, w, b = (_arg(node, spec.get(k)) for k in ("input", "weight", "bias"))
+    x, w, b = (undetached(_arg(node, spec.get(k))) for k in ("input", "weight", "bias"))
     tensors = [n for n in (x, w, b) if isinstance(n, Node)]
     if _arg(node, spec.get("groups_arg"), 1) != 1:
         return _grouped(node, spec, ctx, tensors)
@@ -97,7 +97,7 @@ def _grouped(node: Node, spec: RuleSpec, ctx: RuleContext, tensors: list) -> Res
 
     Dim 0 of the weight runs over the groups in both layouts: (out, in / groups, ...) and, transposed,
     (in, out / groups, ...)."""
-    x, w, b = (_arg(node, spec.get(k)) for k in ("input", "weight", "bias"))
+    x, w, b = (undetached(_arg(node, spec.get(k))) for k in ("input", "weight", "bias"))
     whole = [Want(n, REPLICATE) for n in tensors]
     found = param_behind(w, 0, depth=5)  # the parameter, its groups still in dim 0
     src = found[0] if found is not None and found[1] == 0 and ctx.param(found[0]) is not None else None
@@ -149,7 +149,7 @@ def _own_groups(node: Node, spec: RuleSpec, ctx: RuleContext, src: Node, px: Sha
     """The rank's whole groups: input channels, weight and bias cut alike on dim 0 as `channels` lays out the
     output's, the group count local (over a zero-padded split or one in segments or pieces, the local channels
     over `group` channels a group: one group per local channel for a depthwise convolution, padding included)."""
-    x, w, b = (_arg(node, spec.get(k)) for k in ("input", "weight", "bias"))
+    x, w, b = (undetached(_arg(node, spec.get(k))) for k in ("input", "weight", "bias"))
     sl = param_cut(moved(channels, 0), ctx.shape(src)[0])
     params: dict[Node, Optional[ParamSlice]] = {src: sl}
     if isinstance(b, Node) and ctx.param(b) is not None:

@@ -12,7 +12,7 @@ from tpcompile.placement import (PARTIAL, REPLICATE, Replicate, Shard, moved, pa
 from tpcompile.sharding_rules.group_cuts import group_cuts
 from tpcompile.sharding_rules.pieces import piece_matmul
 from tpcompile.sharding_rules.registry import rule
-from tpcompile.sharding_rules.rule_context import Choice, ParamSlice, Result, RuleContext, Want, weight_view
+from tpcompile.sharding_rules.rule_context import Choice, ParamSlice, Result, RuleContext, Want, undetached, weight_view
 from tpcompile.sharding_rules.table import RuleSpec
 
 
@@ -26,7 +26,7 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """linear / addmm / mm / matmul: column split on a replicated input, row split on a sharded one."""
     if spec.get("weight_piece") is not None or spec.get("bias_piece") is not None:
         return piece_matmul(node, spec, ctx)  # a row piece of a parameter as its weight (sharding_rules/pieces.py)
-    x, b = _arg(node, spec.get("input")), _arg(node, spec.get("bias"))
+    x, b = _arg(node, spec.get("input")), undetached(_arg(node, spec.get("bias")))  # read detached: grad-off regions
     w, transposed = weight_view(_arg(node, spec.get("weight")))  # W, or W.t() read as W the other way round
     wshape = ctx.shape(w)
     if ctx.param(w) is None or wshape is None or len(wshape) != 2:

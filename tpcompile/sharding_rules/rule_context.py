@@ -138,12 +138,14 @@ _TRANSPOSES = ("aten.t.default", "aten.numpy_T.default", "aten.transpose.int", "
 
 def weight_view(arg: Any) -> tuple[Optional[Node], bool]:
     """(the get_attr node, transposed?) for a weight argument that is a 2-D parameter read or its
-    transpose (`h @ W.t()`, `W.T`); (None, False) for anything else."""
+    transpose (`h @ W.t()`, `W.T`), detached or not (a linear in a grad-off region reads its weight detached,
+    capture/regions.py); (None, False) for anything else."""
+    arg = undetached(arg)
     if not isinstance(arg, Node):
         return None, False
     if arg.op == "get_attr":
         return arg, False
-    src = arg.args[0] if arg.op == "call_function" and arg.args else None
+    src = undetached(arg.args[0]) if arg.op == "call_function" and arg.args else None
     if not (isinstance(src, Node) and src.op == "get_attr"):
         return None, False
     op = op_name(arg.target)
@@ -155,6 +157,18 @@ def weight_view(arg: Any) -> tuple[Optional[Node], bool]:
     if op == "aten.permute.default" and [d % 2 for d in arg.args[1]] != [1, 0]:
         return None, False
     return src, True
+
+
+def undetached(arg: Any) -> Any:
+    """The parameter read (get_attr) behind `detach` (and `alias`) of it, else arg (a detached activation too)."""
+    base = arg
+    while isinstance(base, Node) and base.op == "call_function" and op_name(base.target) in _DETACH and base.args \
+            and isinstance(base.args[0], Node):
+        base = base.args[0]
+    return base if isinstance(base, Node) and base.op == "get_attr" else arg
+
+
+_DETACH = ("aten.detach.default", "aten.alias.default")
 
 
 # Ops whose output entry k is input entry k, moved at most (casts, unary elementwise ops, unsqueeze, squeeze,
