@@ -328,3 +328,29 @@ class Recurrent(torch.nn.Module):
             for _ in range(2):
                 state = self.block(state + x)
         return self.block(state + x)
+
+
+class ExpertHeads(torch.nn.Module):
+    """Experts picked by id out of one (experts, 32, 32) weight, their outputs cut into 2 heads of 16, a softmax over
+    each head's features, then a projection. Summed over every expert, or (`grouped`) each token through one expert:
+    the tokens grouped by expert, the outputs joined by token and put back in order by an index_add, then viewed as
+    (B, T, 2, 16) (JetMoE's attention experts make their query heads so)."""
+
+    def __init__(self, grouped: bool = False) -> None:
+        super().__init__()
+        self.grouped = grouped
+        self.w = torch.nn.Parameter(torch.randn(4, 32, 32) / 32 ** 0.5)
+        self.o = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        if self.grouped:
+            flat = x.reshape(-1, 32)
+            ids = flat[:, 0].gt(0).long() + 2 * flat[:, 1].gt(0).long()  # each token's expert
+            order = ids.argsort(stable=True)
+            parts = flat[order].split(F.one_hot(ids, 4).sum(0).tolist(), dim=0)
+            out = torch.cat([F.linear(p, self.w[e]) for e, p in enumerate(parts)], dim=0)
+            h = torch.zeros(b * t, 32, dtype=x.dtype).index_add(0, order, out).view(b, t, -1)
+        else:
+            h = sum(F.linear(x, self.w[e]) for e in range(4))
+        return self.o(h.view(b, t, 2, 16).softmax(-1).reshape(b, t, 32))

@@ -17,7 +17,7 @@ from moe_models import build_moe
 from padded_models import (
     NormedMLP, SubNormAttention, GatedAttention, GateViewAs, RowsPerHead, AlibiAttention, StackedGateMLP, ShortConv,
     PaddedTokens, ConvLinearAttention, GatedHeadNorm, InterleavedGLU, SparseActivationMLP, GateTimesWhole,
-    LogitStats, EmbeddingPlusProjection, DiffAttention, PairedHeads, WholeInputConvHeads, Recurrent)
+    LogitStats, EmbeddingPlusProjection, DiffAttention, PairedHeads, WholeInputConvHeads, Recurrent, ExpertHeads)
 from sgd_steps import sgd_losses
 
 
@@ -215,6 +215,17 @@ def test_depthwise_convolution_of_a_whole_input_pads_by_the_heads_it_feeds(ws: i
     assert sm.plan.parameters["conv.weight"].local_shape == (16 * -(-3 // ws), 1, 3)
 
 
+@pytest.mark.parametrize("ws", [3, 4, 6])
+@pytest.mark.parametrize("grouped", [False, True], ids=["summed", "grouped"])
+def test_experts_cut_into_heads_are_padded_by_heads(ws: int, grouped: bool) -> None:
+    """Experts picked out of one 3-D weight whose outputs are cut into 2 heads of 16 (summed, or joined by token and
+    put back in order by an index_add): the experts' rows split by whole heads (zero-padded: one head a rank);
+    before, 11, 8 or 6 rows a rank cut a head and the experts were replicated with a warning."""
+    torch.manual_seed(0)
+    sm = _split(ExpertHeads(grouped), ws, ("w",), ("o.weight",), one_all_reduce=True)
+    assert sm.plan.parameters["w"].local_shape == (4, 16, 32)
+
+
 @pytest.mark.parametrize("ws", [3, 6])
 def test_std_over_a_padded_split_merges_moments(ws: int) -> None:
     """A std over 100 features at 3 and 6 ranks, zero-padded: each rank's moments over its real entries merged with
@@ -278,7 +289,7 @@ def _on_gloo(rank: int) -> dict:
     out = {}
     for cls in (NormedMLP, SubNormAttention, GatedAttention, GateViewAs, RowsPerHead, AlibiAttention, StackedGateMLP,
                 ShortConv, PaddedTokens, ConvLinearAttention, GatedHeadNorm, InterleavedGLU, SparseActivationMLP,
-                GateTimesWhole, LogitStats, DiffAttention, PairedHeads, WholeInputConvHeads, Recurrent):
+                GateTimesWhole, LogitStats, DiffAttention, PairedHeads, WholeInputConvHeads, Recurrent, ExpertHeads):
         torch.manual_seed(0)
         model = cls()
         gm = tpcompile.parallelize(model, example_inputs=(torch.randn(2, 5, 32),))
@@ -311,4 +322,4 @@ def test_padded_models_on_three_processes() -> None:
     does not divide) and the MoE of experts joined by token (tests/test_moe.py): outputs equal the original's, and
     three SGD steps through the padded LayerNorm and the differential attention's halves of heads too."""
     for rank, diffs in enumerate(launch(3, _on_gloo, timeout=300)):
-        assert len(diffs) == 23 and max(diffs.values()) < 1e-4, (rank, diffs)
+        assert len(diffs) == 24 and max(diffs.values()) < 1e-4, (rank, diffs)

@@ -66,8 +66,10 @@ def _contraction(node: Node, ctx: PassContext) -> Optional[RuleSpec]:
     act, weight, view, eq = found
     if not view.nodes and (len(view.param.users) > 1 or len(ctx.aliases(view.param.target)) > 1):
         return None  # a plain parameter read elsewhere too (a tied head): read as the other ops cut it
+    segments = _segment_hint(node)
     return RuleSpec("weight_contract", {"act": act, "weight": weight, "view": view, "equation": eq,
-                                        "owner": owner_path(view.param.target), "segments": _segment_hint(node),
+                                        "owner": owner_path(view.param.target), "segments": segments,
+                                        "heads": _heads([node], (_last_dim(node),)) if not segments else None,
                                         "needs": index_needs(node, eq, ctx.world_size)})  # which index to split
 
 

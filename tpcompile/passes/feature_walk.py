@@ -22,6 +22,9 @@ def keeps_features(nxt: Node, cur: Node, fdim: int) -> bool:
     if nxt.target is torch.ops.aten.cat.default and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         at = nxt.args[1] if len(nxt.args) > 1 else nxt.kwargs.get("dim", 0)
         return cur in nxt.args[0] and a.dim() == b.dim() and at % a.dim() != fdim and a.shape[fdim] == b.shape[fdim]
+    if nxt.target is torch.ops.aten.index_add.default and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return cur in (nxt.args[0], nxt.args[3]) and a.dim() == b.dim() and nxt.args[1] % a.dim() != fdim \
+            and a.shape[fdim] == b.shape[fdim]  # rows added at indices (the experts' outputs put back in order)
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() != b.dim() \
             or a.shape[fdim] != b.shape[fdim] or nxt.args[0] is not cur:
         return False
@@ -65,7 +68,8 @@ def moved_dim(u: Node, d: int) -> Optional[int]:
     if u.target is torch.ops.aten.unsqueeze.default:
         return d + (u.args[1] % u.meta["val"].dim() <= d)
     if u.target is torch.ops.aten.squeeze.dim:
-        return d - (u.args[1] % u.args[0].meta["val"].dim() < d)
+        at = u.args[1] % u.args[0].meta["val"].dim()
+        return None if at == d else d - (at < d)  # (a dim of size 1 squeezed away is gone)
     return None
 
 
@@ -136,7 +140,10 @@ def _feature_step(u: Node, cur: Node, fdim: int, offset: int, width: int) -> Any
             return None
         member = _member_heads(u, fdim, d) if offset == 0 and _known(a.shape[fdim]) == width else None
         return d * member if member and (width // d) % member == 0 else d
-    if rule == "reshape" and fdim == a.dim() - 1 and b.dim() <= a.dim() and _known(b.shape[-1]) \
+    if rule == "reshape" and b.dim() and fdim == a.dim() - 1 and _known(b.shape[-1]) == _known(a.shape[fdim]) \
+            is not None:
+        return u, b.dim() - 1, offset  # the other dims regrouped, the features last as they were
+    if rule == "reshape" and b.dim() and fdim == a.dim() - 1 and b.dim() <= a.dim() and _known(b.shape[-1]) \
             and _known(a.shape[fdim]) == width:  # (.., h * d) -> (rows * h, d): heads folded into the rows
         d = int(b.shape[-1])
         return d if width % d == 0 and d < width and offset == 0 else None

@@ -156,8 +156,11 @@ def weight_contract(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         letter = _split_index(kept, tw, tout, view, spec, ctx.world_size)
         pdim, odim = view.dims[tw.index(letter)], tout.index(letter)
         segments = _segments(letter, tw, tout, view, spec)
-        # zero-padded to a multiple of the ranks, each segment its own
-        out = segmented(odim, segments, ctx.world_size, [padded_size(s, ctx.world_size) for s in segments])
+        # zero-padded to a multiple of the ranks, each segment its own, by whole heads where the features are cut
+        # into heads later (annotate's `heads`: JetMoE's attention experts)
+        head = (spec.get("heads") or (None,))[0] if odim == len(tout) - 1 and len(segments) == 1 else None
+        unit = head if head and segments[0] % head == 0 else 1
+        out = segmented(odim, segments, ctx.world_size, [padded_size(s, ctx.world_size * unit) for s in segments])
         params[view.param] = ParamSlice(pdim, out.segments, cuts=out.cuts)
         return Result(out, [ctx.replicated_want(act, out)] + [ctx.replicated_want(o, out) for o in others],
                       role="column", params=params)
