@@ -354,3 +354,21 @@ class ExpertHeads(torch.nn.Module):
         else:
             h = sum(F.linear(x, self.w[e]) for e in range(4))
         return self.o(h.view(b, t, 2, 16).softmax(-1).reshape(b, t, 32))
+
+
+class SlotHeads(torch.nn.Module):
+    """JetMoE's attention: each token's query in k = 2 slots (its top-k experts), each slot 2 heads of 8, viewed as
+    (B, T, k * 2, 8); the 2 key and value heads repeated k times to match (`repeat(1, k, 1, 1)`); the output viewed
+    back as (B, T, k, 16) and projected per slot, the slots summed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slot = torch.nn.Parameter(1 + 0.1 * torch.randn(2, 32))
+        self.q, self.kv, self.o = torch.nn.Linear(32, 16), torch.nn.Linear(32, 32), torch.nn.Linear(16, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x.unsqueeze(2) * self.slot).view(b, t, 4, 8).transpose(1, 2)
+        k, v = (h.view(b, t, 2, 8).transpose(1, 2).repeat(1, 2, 1, 1) for h in self.kv(x).chunk(2, dim=-1))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, 2, 16)
+        return self.o(a).sum(2)

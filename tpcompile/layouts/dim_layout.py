@@ -8,7 +8,7 @@ holds (`DimLayout.runs`, `DimLayout.local_size`) is done once, here, on this val
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 from tpcompile.layouts import token_shares
@@ -100,3 +100,26 @@ def dim_layout(p: Any, full: Optional[int], world_size: int) -> DimLayout:
     segs = list(p.segments) if p.segments else [full]
     assert full is None or sum(segs) == full, f"segments {segs} do not add up to {full}"
     return DimLayout(world_size, tuple(Segment(s, even_cuts(s, world_size)) for s in segs))
+
+
+def same_holdings(p: Any, q: Any, full: Any, world_size: int) -> bool:
+    """True when splits `p` and `q` of one dim of size `full` give every rank the same elements in the same local
+    order, however each is written: `outer` repetitions of a split (a reshape's batch x heads) are as many segments
+    cut alike (a repeat's copies)."""
+    a, b = _holdings(p, full, world_size), _holdings(q, full, world_size)
+    return a is not None and a == b
+
+
+def _holdings(p: Any, full: Any, world_size: int) -> Optional[DimLayout]:
+    """p's layout of a dim of `full` elements with its outer repetitions spelled out; None when p does not lay out
+    such a dim (a size the ranks do not divide, pieces, tokens)."""
+    if not isinstance(full, int) or p.pieces is not None or getattr(p, "split_next", None) or p.seq:
+        return None
+    outer = p.outer or 1
+    if not isinstance(outer, int) or (outer > 1 and p.segments is not None) or full % outer:
+        return None
+    segs = p.segments or (full // outer,)
+    if p.cuts is None and any(s % world_size for s in segs) or sum(segs) != full // outer:
+        return None
+    inner = dim_layout(replace(p, outer=None), full // outer, world_size)
+    return DimLayout(world_size, inner.segments * outer)

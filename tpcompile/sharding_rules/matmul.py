@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 from torch.fx import Node
 
-from tpcompile.layouts import even_cuts
+from tpcompile.layouts import even_cuts, same_holdings
 from tpcompile.placement import (PARTIAL, REPLICATE, Replicate, Shard, moved, pad_cuts, padded_size, param_cut,
                                  segmented)
 from tpcompile.sharding_rules.group_cuts import group_cuts
@@ -232,10 +232,14 @@ def sdpa(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     # (the query's layout leads: keys and values laid out otherwise are blamed, so they are the ones kept whole)
     target = next((p for n in (q, k, v) if n not in one and isinstance(p := ctx.placement(n), Shard)
                    and p.dim == 1 and (p.plain or p.plain_padded or p.rank_cuts or _runs_of_heads(p, ctx))), Shard(1))
+    def alike(n: Node) -> bool:  # the target's heads, written otherwise (a repeat's copies, a reshape's outer)
+        p = ctx.placement(n)
+        return isinstance(p, Shard) and p.dim == 1 and same_holdings(p, target, ctx.shape(n)[1], ctx.world_size)
+
     for n in (k, v, mask, q):
         p = ctx.placement(n) if isinstance(n, Node) else None
         shared = p == Shard(1, pieces=1) and target.plain_padded  # whole on every rank: its padded part is cut
-        if isinstance(p, Shard) and p != target and n not in one and not shared:
+        if isinstance(p, Shard) and p != target and n not in one and not shared and not alike(n):
             why = f"attention input sharded as {p}, expected whole heads (dim 1)"
             if n in (k, v) and p.dim == 1 and (p.plain_padded or p.pieces) and target.dim == 1 \
                     and (target.plain_padded or isinstance(ctx.placement(q), Shard)):
@@ -253,7 +257,7 @@ def sdpa(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         if whole and heads % ctx.world_size and target.padded != padded_size(heads, ctx.world_size):
             return Result(REPLICATE, [Want(m, REPLICATE) for m in tensors],
                           conflict=f"{heads} heads not divisible by world size {ctx.world_size}")
-        wants.append(Want(n, target))
+        wants.append(Want(n, ctx.placement(n) if alike(n) else target))
     if isinstance(mask, Node):
         mshape = ctx.shape(mask)
         if len(mshape) == 4 and mshape[1] != 1:

@@ -86,13 +86,15 @@ def _segments_reshape(p: Shard, gi: Sequence[int], gj: Sequence[int], ins: Seque
                       ws: int, why: str) -> tuple[Optional[Shard], str]:
     """Padded segments through a reshape that keeps each segment's entries whole (Falcon's fused q|k|v viewed as
     (heads + 2, head_dim)): the segments and their paddings, in entries of the output dim; equal segments stacked
-    as a dim of their own (Moshi's gate and up, (.., 2, F)): the last dim, padded as each of them."""
+    as a dim of their own (Moshi's gate and up, (.., 2, F); JetMoE's heads of its top-k experts, (.., k * h, d)
+    -> (.., k, h * d)): the last dim, padded as each of them."""
     inner = prod([ins[d] for d in gi[1:]])
     counts, pads = p.counts(ws), p.pads()
-    if inner == 1 and len(gj) > 1 and len(set(p.segments)) == 1 and len(set(pads)) == 1 and set(counts) == {ws} \
-            and outs[gj[-1]] == p.segments[0] and prod([outs[e] for e in gj[:-1]]) == len(p.segments):
-        # equal segments stacked as a dim of their own, (.., g * s) -> (.., g, s): each cut as the last dim
-        return Shard(gj[-1], cuts=pad_cuts(pads[0], ws)), ""
+    if isinstance(inner, int) and len(gj) > 1 and len(set(p.segments)) == 1 and len(set(pads)) == 1 \
+            and set(counts) == {ws} and outs[gj[-1]] == p.segments[0] * inner \
+            and prod([outs[e] for e in gj[:-1]]) == len(p.segments):
+        # equal segments stacked as a dim of their own, (.., g * s, i) -> (.., g, s * i): each cut as the last dim
+        return Shard(gj[-1], cuts=pad_cuts(pads[0] * inner, ws)), ""
     for u, d in enumerate(gj):
         if prod([outs[e] for e in gj[:u]]) != 1 or outs[d] == 1:
             continue
