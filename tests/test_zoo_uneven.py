@@ -107,3 +107,36 @@ def test_balanced_measure_takes_the_head_size_from_the_attention_module() -> Non
     sm = tpcompile.shard(model, 3, example_inputs=(torch.randn(2, 5, 64),))
     assert sm.plan.parameters["self_attn.q_proj.weight"].local_shape == (32, 64)
     assert balanced_bytes(model, sm) == param_bytes(model, sm)[0]
+
+
+class _NormedSplit(torch.nn.Module):
+    """A projection normalised over its 16 features, then split into two runs of 8 (the sparse-attention indexer's
+    key, rope | rest, DeepSeek-V3.2's): no head or segment is found behind the norm, so no split holds whole runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wk, self.norm, self.o = torch.nn.Linear(32, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.norm(self.wk(x)).split([8, 8], dim=-1)
+        return self.o(torch.cat([b, a], dim=-1))
+
+
+def test_a_split_refused_at_two_ranks_is_refused_alike_at_three() -> None:
+    """The split is refused at 2 and 4 ranks and, zero-padded, at 3: one reason, in the same words (the pieces and
+    the blocks they cut through), so the zoo at 3 ranks counts no new kind of warning for it."""
+    import warnings as w
+
+    import tpcompile
+    from bench.zoo_render import failure_class
+
+    kinds = {}
+    for ws in (2, 3, 4):
+        torch.manual_seed(0)
+        with w.catch_warnings(record=True) as got:
+            w.simplefilter("always", tpcompile.TPCompileWarning)
+            tpcompile.shard(_NormedSplit(), ws, example_inputs=(torch.randn(2, 5, 32),))
+        said = [str(m.message) for m in got if issubclass(m.category, tpcompile.TPCompileWarning)]
+        assert len(said) == 1 and "split into [8, 8] cuts through the per-rank blocks [16] of dim 2" in said[0], said
+        kinds[ws] = failure_class(said[0])
+    assert kinds[3] == kinds[2] == kinds[4]

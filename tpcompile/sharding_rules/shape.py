@@ -276,9 +276,10 @@ def split(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return Result(tuple(p for _ in pieces), [Want(x, p)])
     if p.seg_padded or p.rank_cuts:  # segments each padded, or one piece a rank: pieces of whole cut segments
         return split_cut_segments(node, p, [int(s[dim]) for s in pieces], ctx.world_size)
-    if p.padded is not None:
-        return _fail(node, f"split of a dim padded to {p.padded}")
     segs, ws = list(p.segments or (ctx.shape(x)[dim],)), ctx.world_size
+    if p.padded is not None:  # one segment zero-padded: its pieces are not the ranks' blocks
+        return _fail(node, f"split into {[int(s[dim]) for s in pieces]} cuts through the per-rank blocks {segs} of "
+                           f"dim {dim}")
     counts = p.counts(ws)
     outs, local, k = [], [], 0
     for shape in pieces:
