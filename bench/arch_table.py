@@ -136,12 +136,13 @@ def table_lines(rows: list[dict], world_sizes: tuple, cell: Callable[[dict], str
 
 
 def write_section(path: Path, markers: tuple[str, str], text: str) -> None:
-    """`text` (which starts and ends with `markers`) in place of that section of the file, or, new, before the zoo
-    table of docs/architectures.md."""
+    """`text` (which starts and ends with `markers`) in place of that section of the file, where it is (the
+    sections keep their order whichever table is rerun), or, new, before the zoo table of docs/architectures.md."""
     old = path.read_text(encoding="utf-8")
-    if markers[0] in old:
+    if markers[0] in old and markers[1] in old:
         head, rest = old.split(markers[0], 1)
-        old = head + rest.split(markers[1], 1)[1].lstrip("\n")
+        path.write_text(head + text.rstrip("\n") + rest.split(markers[1], 1)[1], encoding="utf-8")
+        return
     zoo = "<!-- zoo:start -->"
     new = old.replace(zoo, text + "\n" + zoo, 1) if zoo in old else old.rstrip("\n") + "\n\n" + text
     path.write_text(new, encoding="utf-8")
