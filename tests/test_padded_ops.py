@@ -333,7 +333,8 @@ def _on_gloo(rank: int) -> dict:
 @pytest.mark.gloo
 def test_padded_models_on_three_processes() -> None:
     """tpcompile.parallelize on 3 gloo processes for every model above (widths, heads and channels the world size
-    does not divide) and the MoE of experts joined by token (tests/test_moe.py): outputs equal the original's, and
-    three SGD steps through the padded LayerNorm and the differential attention's halves of heads too."""
+    does not divide) and the MoE of experts joined by token (tests/moe_models.py, `grouped`): outputs equal the
+    original's, and three SGD steps through the padded LayerNorm and the differential attention's halves of heads
+    too."""
     for rank, diffs in enumerate(launch(3, _on_gloo, timeout=300)):
         assert len(diffs) == 25 and max(diffs.values()) < 1e-4, (rank, diffs)
