@@ -8,7 +8,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from tpcompile.passes.feature_walk import (POINTWISE, channel_heads, heads_through, keeps_features,
-                                          moved_dim as _moved_dim, nested)
+                                          last_dim as _last_dim, moved_dim as _moved_dim, nested)
 from tpcompile.passes.head_groups import mark_head_groups
 from tpcompile.passes.head_runs import align_head_runs
 from tpcompile.passes.head_parts import head_parts, split_along
@@ -45,8 +45,9 @@ def annotate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
             heads = _heads(parts, segments or (_last_dim(node),))
             if segments or heads:
                 spec = RuleSpec(spec.rule, {**spec.args, "segments": segments, "heads": heads})
-        if spec is not None and spec.rule == "weight_conv" and channel_heads(node, spec):
-            spec = RuleSpec(spec.rule, {**spec.args, "heads": (channel_heads(node, spec),)})
+        head = channel_heads(node, spec) if spec is not None and spec.rule == "weight_conv" else None
+        if head:
+            spec = RuleSpec(spec.rule, {**spec.args, "heads": (head,)})
         if spec is not None and spec.rule in ("weight_matmul", "weight_conv", "embedding"):
             spec = RuleSpec(spec.rule, {**spec.args, "owner": _owner(node, spec, ctx)})
         node.meta["tp_rule"] = _contraction(node, ctx) or spec
@@ -98,11 +99,6 @@ def _owner(node: Node, spec: RuleSpec, ctx: PassContext) -> Optional[str]:
         return None
     tied = len(ctx.aliases(w.target)) > 1
     return (module_path(node) if tied else "") or owner_path(w.target)
-
-
-def _last_dim(node: Node) -> Optional[int]:
-    val = node.meta.get("val")
-    return int(val.shape[-1]) if isinstance(val, torch.Tensor) and val.dim() and isinstance(val.shape[-1], int) else None
 
 
 def _stacked_segments(reshape: Node, width: int) -> Optional[tuple[int, ...]]:

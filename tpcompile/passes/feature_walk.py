@@ -17,16 +17,17 @@ POINTWISE = ("pointwise", "pointwise_inplace")  # elementwise op table rows, in 
 def keeps_features(nxt: Node, cur: Node, fdim: int) -> bool:
     """True when `nxt` keeps the features of `cur` at dim `fdim`, each where it was: an elementwise op, a slice or a
     padding of another dim, or a depthwise convolution over them as channels (the short convolution of linear
-    attention), a cat along another dim (the experts' outputs, each a linear of its tokens, joined by token)."""
+    attention), a cat or an index_add along another dim (the experts' outputs, each a linear of its tokens, joined by
+    token and put back in order)."""
     a, b = cur.meta.get("val"), nxt.meta.get("val")
-    if nxt.target is torch.ops.aten.cat.default and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        at = nxt.args[1] if len(nxt.args) > 1 else nxt.kwargs.get("dim", 0)
-        return cur in nxt.args[0] and a.dim() == b.dim() and at % a.dim() != fdim and a.shape[fdim] == b.shape[fdim]
-    if nxt.target is torch.ops.aten.index_add.default and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return cur in (nxt.args[0], nxt.args[3]) and a.dim() == b.dim() and nxt.args[1] % a.dim() != fdim \
-            and a.shape[fdim] == b.shape[fdim]  # rows added at indices (the experts' outputs put back in order)
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() != b.dim() \
-            or a.shape[fdim] != b.shape[fdim] or nxt.args[0] is not cur:
+            or a.shape[fdim] != b.shape[fdim]:
+        return False
+    if nxt.target is torch.ops.aten.cat.default:  # joined along another dim
+        return cur in nxt.args[0] and (nxt.args[1] if len(nxt.args) > 1 else nxt.kwargs.get("dim", 0)) % a.dim() != fdim
+    if nxt.target is torch.ops.aten.index_add.default:  # rows added at indices (the experts' outputs put back)
+        return cur in (nxt.args[0], nxt.args[3]) and nxt.args[1] % a.dim() != fdim
+    if nxt.args[0] is not cur:
         return False
     spec = lookup(nxt.target)
     if spec is not None and spec.rule in POINTWISE:
@@ -173,6 +174,13 @@ def _member_heads(pairs: Node, fdim: int, s: int) -> Optional[int]:
             first = [g for g in u.users if g.target is operator.getitem and g.args[1] == 0]
             return heads_through(first[0], int(val.shape[fdim]), fdim=fdim) if first else None
     return None
+
+
+def last_dim(node: Node) -> Optional[int]:
+    """The size of node's last dim when it is a number."""
+    val = node.meta.get("val")
+    known = isinstance(val, torch.Tensor) and val.dim() and isinstance(val.shape[-1], int)
+    return int(val.shape[-1]) if known else None
 
 
 def _known(size: Any) -> Optional[int]:

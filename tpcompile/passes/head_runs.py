@@ -15,6 +15,7 @@ from typing import Optional
 
 from torch.fx import GraphModule, Node
 
+from tpcompile.passes.feature_walk import last_dim
 from tpcompile.passes.head_groups import SDPA, projection
 from tpcompile.passes.pass_context import PassContext
 from tpcompile.sharding_rules import RuleSpec
@@ -30,7 +31,7 @@ def align_head_runs(gm: GraphModule, ctx: PassContext) -> None:
             continue  # one fused q|k|v projection cuts its own segments
         runs = {_runs(f) for f in found} - {None}
         sizes = {d for f in found for d in f.meta["tp_rule"].get("heads") or () if d}  # the head size
-        if len(runs) != 1 or len({_width(f) for f in found}) != 1 or len(sizes) != 1:
+        if len(runs) != 1 or len({last_dim(f) for f in found}) != 1 or len(sizes) != 1:
             continue
         segments, d = next(iter(runs)), next(iter(sizes))
         if any(s % d for s in segments):
@@ -48,8 +49,3 @@ def _runs(node: Node) -> Optional[tuple[int, ...]]:
     """The segments of a projection cut into equal runs, else None."""
     segments = node.meta["tp_rule"].get("segments")
     return tuple(segments) if segments and len(segments) > 1 and len(set(segments)) == 1 else None
-
-
-def _width(node: Node) -> Optional[int]:
-    val = node.meta.get("val")
-    return int(val.shape[-1]) if val is not None and val.dim() and isinstance(val.shape[-1], int) else None

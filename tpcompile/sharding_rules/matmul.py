@@ -234,7 +234,8 @@ def sdpa(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
                    and p.dim == 1 and (p.plain or p.plain_padded or p.rank_cuts or _runs_of_heads(p, ctx))), Shard(1))
     def alike(n: Node) -> bool:  # the target's heads, written otherwise (a repeat's copies, a reshape's outer)
         p = ctx.placement(n)
-        return isinstance(p, Shard) and p.dim == 1 and same_holdings(p, target, ctx.shape(n)[1], ctx.world_size)
+        return isinstance(p, Shard) and p != target and p.dim == 1 \
+            and same_holdings(p, target, ctx.shape(n)[1], ctx.world_size)
 
     for n in (k, v, mask, q):
         p = ctx.placement(n) if isinstance(n, Node) else None
