@@ -295,6 +295,49 @@ def test_mean_over_a_pending_sum_plus_a_padded_split() -> None:
             torch.testing.assert_close(out, model(ids), atol=1e-5, rtol=1e-4)
 
 
+FEWER_HEADS = [(RowsPerHead, 8), (AlibiAttention, 8), (GatedAttention, 8), (GatedHeadNorm, 8), (GateViewAs, 8),
+               (PairedHeads, 6), (SlotHeads, 6), (SlotHeads, 8)]
+
+
+@pytest.mark.parametrize("make,ws", FEWER_HEADS, ids=[f"{m.__name__}-{ws}" for m, ws in FEWER_HEADS])
+def test_heads_fewer_than_ranks_go_one_to_a_rank(make: type, ws: int) -> None:
+    """Fewer heads than ranks (4 at 8, 2 at 6, 3 pairs x heads at 6) start in pieces each shared by several ranks;
+    a row split reading them (it would count a piece once per rank holding it), a gate padded by heads, a reshape
+    as a padded value, a repeat along the heads and an attention whose keys go one to a rank each ask for them one
+    to a rank, zero-padded, instead of replicating: no warning, every parameter split at 2 ranks split here too,
+    none in shared pieces, outputs equal."""
+    torch.manual_seed(0)
+    model = make()
+    sm, warned = _shard(model, ws)
+    assert warned == []
+    split = {n for n, p in _shard(make(), 2)[0].plan.parameters.items() if p.dim is not None}
+    plans = sm.plan.parameters
+    assert split and {n for n, p in plans.items() if p.dim is not None} == split
+    assert all(p.pieces is None and p.seg_pieces is None for p in plans.values()), plans
+    _equal(model, sm)
+
+
+def _on_six(rank: int) -> dict:
+    """On one of 6 gloo processes: the models whose heads are fewer than the ranks, output against the original's."""
+    out = {}
+    for cls in (PairedHeads, SlotHeads, RowsPerHead, GatedAttention):
+        torch.manual_seed(0)
+        model = cls()
+        gm = tpcompile.parallelize(model, example_inputs=(torch.randn(2, 5, 32),))
+        x = torch.randn(3, 7, 32, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            out[cls.__name__] = float((gm(x) - model(x)).abs().max())
+    return out
+
+
+@pytest.mark.gloo
+def test_heads_fewer_than_ranks_on_six_processes() -> None:
+    """tpcompile.parallelize on 6 gloo processes for models with 2, 3 and 4 heads (one to a rank, zero-padded):
+    outputs equal the original's on every rank."""
+    for rank, diffs in enumerate(launch(6, _on_six, timeout=300)):
+        assert len(diffs) == 4 and max(diffs.values()) < 1e-4, (rank, diffs)
+
+
 def _on_gloo(rank: int) -> dict:
     """On one of 3 gloo processes: each model above parallelized (the startup agreement compares the ranks'
     schedules), its output against the original's; and SGD steps of the LayerNorm'd MLP and the

@@ -281,13 +281,15 @@ class FewHeads(nn.Module):
         return self.o(y.transpose(1, 2).reshape(B, T, 8))
 
 
-def test_row_split_of_heads_shared_by_ranks_replicates() -> None:
-    """2 query heads at 4 ranks: no row split of pieces two ranks share (it summed each head twice
-    and crashed on shapes); the attention is replicated with a warning and stays exact."""
-    with pytest.warns(tpcompile.TPCompileWarning, match=r"at o: input holds 2 pieces shared among 4 ranks; a row split "
-                                                         r"would count each piece 2 times; replicating k, q, v"):
+def test_row_split_of_heads_shared_by_ranks_puts_them_one_to_a_rank() -> None:
+    """2 query heads at 4 ranks: no row split of pieces two ranks share (it summed each head twice and crashed
+    on shapes); the heads go one to a rank, zero-padded (1|1|0|0), without a warning, and stay exact."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpcompile.TPCompileWarning)
         sm = _check(FewHeads(), torch.randn(2, 5, 8), ws=4)
-    assert sm.plan.modules["q"] == sm.plan.modules["k"] == sm.plan.modules["v"] == "replicated"
+    assert sm.plan.modules["q"] == sm.plan.modules["k"] == sm.plan.modules["v"] == "column"
+    assert sm.plan.modules["o"] == "row"
+    assert [p.local_shape for p in sm.plan.parameters.values() if p.name == "q.weight"] == [(4, 8)]
 
 
 class FewHeadsNoProjection(FewHeads):
@@ -302,10 +304,11 @@ class FewHeadsNoProjection(FewHeads):
 
 def test_output_of_heads_shared_by_ranks_is_not_gathered() -> None:
     """2 heads at 4 ranks reaching the output: gathering the pieces gave (B, T, 16), each head
-    twice; now the heads are replicated with a warning and the output is exact."""
-    with pytest.warns(tpcompile.TPCompileWarning, match=r"output reshape is 2 pieces shared among 4 ranks; a gather "
-                                                         r"would repeat them; replicating k, q, v"):
-        _check(FewHeadsNoProjection(), torch.randn(2, 5, 8), ws=4)
+    twice; now the heads go one to a rank, zero-padded, and the output is exact."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpcompile.TPCompileWarning)
+        sm = _check(FewHeadsNoProjection(), torch.randn(2, 5, 8), ws=4)
+    assert sm.plan.modules["q"] == "column"
 
 
 class CatWithEmpty(nn.Module):

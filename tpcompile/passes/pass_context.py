@@ -23,6 +23,9 @@ class PassContext:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # get_attr target -> param/buffer
     demoted: dict[Node, str] = field(default_factory=dict)  # seed -> why it is replicated
     pieces: dict[Node, int] = field(default_factory=dict)  # seed -> pieces, when fewer than ranks
+    # seeds whose heads, fewer than the ranks, go one to a rank, zero-padded, not in pieces shared by ranks (a row
+    # split reads them: it would count a shared piece once per rank holding it)
+    unpieced: set[Node] = field(default_factory=set)
     # query, key and value projection -> (the three, the kv repeats, the whole groups to fall back on): a kv group's
     # query heads cut among the ranks sharing its kv head (passes/head_groups.py), until propagation blames them
     group_cuts: dict[Node, tuple] = field(default_factory=dict)

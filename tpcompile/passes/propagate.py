@@ -5,7 +5,9 @@ sharded on its contracted dim becomes a row split. A round is one `Sweep` over t
 order. When a sharded value reaches an op that cannot take it (a norm over the sharded dim, a
 head count the world size does not divide, an op with no rule), the sweep *blames* the splits
 it came from (its origins): the next round *demotes* them (replicates them), or *regroups* them
-into fewer pieces than ranks when that is what the op needs. The words are defined once in
+into fewer pieces than ranks when that is what the op needs, or *unpieces* them: heads fewer than the ranks, in
+pieces each shared by several ranks, go one to a rank, zero-padded, when a row split reads them (it would count a
+shared piece once per rank holding it). The words are defined once in
 docs/architecture.md ("How propagation decides").
 
 A parameter is a value like any other: where it is read outside the weight ops that cut it (a
@@ -14,9 +16,9 @@ sees it split as the previous round cut it, and the rules place or blame that re
 any split value. A round that only changes how such a parameter is cut is *resettled*: the next
 round reads it anew.
 
-Bound: each round but the last demotes or regroups at least one seed, or resettles a parameter
+Bound: each round but the last demotes, regroups or unpieces at least one seed, or resettles a parameter
 (never twice in a row: a second resettle without progress demotes that parameter's seeds); a
-seed is demoted at most once and regrouped at most once, so there are at most 4 * seeds + 2
+seed is demoted, regrouped and unpieced at most once each, so there are at most 6 * seeds + 2
 rounds, one more for each parameter kept whole by the fallback below, and one more for each projection whose
 heads were cut within their kv groups (a blame there gives the cut up for the whole groups or the kv-head
 replication head_groups.py would have chosen, instead of a demotion: `give_up_group_cuts`); reaching that is a
@@ -54,7 +56,7 @@ def propagate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
         if ctx.override_for(seed_path(n)) == "replicate" or _kept_whole(n, ctx):
             ctx.demoted[n] = "replicated by the plan"
     params = {n.target for n in gm.graph.nodes if n.op == "get_attr"}  # each kept whole at most once (unwished)
-    bound = 4 * len(seeds) + 2 + len(params) + len(ctx.group_cuts)
+    bound = 6 * len(seeds) + 2 + len(params) + len(ctx.group_cuts)
     resettled = False
     for ctx.iterations in range(1, bound + 1):
         sweep = Sweep(gm, ctx)
@@ -64,6 +66,9 @@ def propagate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
                  if o not in ctx.demoted}
         regrouped = {o: n for origins, n in sweep.regroups for o in origins if o not in ctx.pieces}
         ctx.pieces.update(regrouped)
+        unpieced = frozenset().union(*sweep.unpieces) - ctx.unpieced
+        ctx.unpieced |= unpieced
+        regrouped = regrouped or unpieced  # either is progress
         undone = give_up_group_cuts(set(fresh), ctx)  # blamed heads cut within their groups: whole groups instead
         fresh = {} if undone else fresh
         if sweep.unsettled and not fresh and not regrouped and not undone:

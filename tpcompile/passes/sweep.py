@@ -14,6 +14,7 @@ from torch.fx import GraphModule, Node
 from tpcompile.passes.layout import Layout
 from tpcompile.passes.param_cuts import cut_two_ways, wished_cut
 from tpcompile.passes.op_result import check_wants, gathering_seq, op_result
+from tpcompile.passes.blame import upstream
 from tpcompile.passes.pass_context import PassContext, describe, internal_error
 from tpcompile.passes.pending_sums import lonely_lookups
 from tpcompile.passes.region_bodies import place_body
@@ -40,7 +41,8 @@ def seed_path(node: Node, decided: Any = None) -> Optional[str]:
 class Sweep:
     """One round: every node's placement in graph order, and what the next round must change.
 
-    After `run()`, `conflicts` holds (blamed origins, reason) and `regroups` (origins, pieces);
+    After `run()`, `conflicts` holds (blamed origins, reason), `regroups` (origins, pieces) and `unpieces` (origins
+    whose pieces go one to a rank instead);
     ctx.param_slices holds how each parameter is cut this round, `unsettled` the parameters read
     outside their weight ops whose cut differs from the one this round assumed (-> their seeds).
     """
@@ -54,6 +56,7 @@ class Sweep:
         self.conflicts: list[tuple[frozenset, str]] = []
         self.conflicted: list[Node] = []  # the ops of the conflicts, in graph order
         self.regroups: list[tuple[frozenset, int]] = []
+        self.unpieces: list[frozenset] = []
         self.tainted: set[Node] = set()  # downstream of a conflict whose guess may be wrong
         self.lost: dict[Node, frozenset] = {}  # node -> the seeds whose splits conflicts took from its inputs
         ctx.notes = {}
@@ -68,7 +71,8 @@ class Sweep:
             world_size=ctx.world_size, placement=self.placement, requires_grad=lambda n: self.grad.get(n, False),
             param=self.param, is_user_input=_is_user_input, demoted=lambda n: n in ctx.demoted,
             segment_hint=lambda n: n.meta["tp_rule"].get("segments"),
-            sequence_parallel=ctx.sequence_parallel, pieces_of=ctx.pieces.get, buffer=self.buffer,
+            sequence_parallel=ctx.sequence_parallel, pieces_of=ctx.pieces.get,
+            unpieced=lambda n: n in ctx.unpieced, buffer=self.buffer,
             split_bytes=self.split_bytes, place_body=place_body)
 
     def run(self) -> None:
@@ -76,7 +80,7 @@ class Sweep:
         for node in self.gm.graph.nodes:
             self.grad[node] = _requires_grad(node, self.ctx, self.grad)
             if node.op == "output":
-                self.conflicts += _output(node, self.placement, self.sources(node), self.ctx)
+                self.conflicts += _output(node, self.placement, self.sources(node), self.ctx, self.unpieces)
             elif node.op == "get_attr":
                 self.read_parameter(node)
             elif node.op != "call_function":
@@ -162,9 +166,13 @@ class Sweep:
         if downstream:
             self.tainted.add(node)
         if why and not downstream:
-            blamed = _upstream(frozenset().union(*(self.origins.get(b, frozenset()) for b in blame)) if blame else src)
+            blamed = upstream(frozenset().union(*(self.origins.get(b, frozenset()) for b in blame)) if blame else src)
+            pieced = upstream(frozenset().union(*(self.origins.get(i, frozenset()) for i in res.unpiece or ())))
             if res.regroup and blamed and not any(o in self.ctx.pieces for o in blamed):
                 self.regroups.append((blamed, res.regroup))  # split into fewer pieces instead
+                self.tainted.add(node)
+            elif pieced and not pieced & self.ctx.unpieced:
+                self.unpieces.append(pieced)  # their pieces one to a rank instead of shared
                 self.tainted.add(node)
             else:
                 text = f"{describe(node)}: {why}"
@@ -207,7 +215,7 @@ class Sweep:
         self.ctx.param_slices, self.ctx.param_seeds = {}, {}
         # This round's other conflicts change what reaches a parameter's users (a weight shared by layers,
         # first reached while the residual stream is still split): a disagreement is judged once they are gone.
-        progress = self.regroups or any(o not in self.ctx.demoted for origins, _ in self.conflicts for o in origins)
+        progress = self.regroups or self.unpieces or any(o not in self.ctx.demoted for origins, _ in self.conflicts for o in origins)
         for target, by_slice in self.requests.items():
             if len(by_slice) > 1 and not progress:
                 self.conflicts.append(cut_two_ways(target, by_slice, self.ctx, weight_args) or (
@@ -227,26 +235,6 @@ class Sweep:
                 seeds = self.ctx.param_seeds.get(node.target, frozenset())
                 if any(u not in seeds for u in node.users):
                     self.unsettled[node.target] = seeds or self.assumed_seeds.get(node.target, frozenset())
-
-
-def _upstream(seeds: frozenset) -> frozenset:
-    """The seeds no other of them feeds: a split downstream of another blamed one may only be a consequence of
-    it (a projection into the residual stream makes the next layer's q/k/v row splits, so its output
-    projection a column split) and is judged again once that one is whole."""
-    if len(seeds) < 2:
-        return seeds
-    keep = set()
-    for seed in seeds:
-        todo, seen, fed = list(seed.all_input_nodes), set(), False
-        while todo and not fed:  # the seed's ancestors, until another seed is among them
-            n = todo.pop()
-            if n not in seen:
-                seen.add(n)
-                fed = n in seeds
-                todo += n.all_input_nodes
-        if not fed:
-            keep.add(seed)
-    return frozenset(keep) or seeds
 
 
 def weight_args(node: Node) -> set:
@@ -291,8 +279,9 @@ def _replicated_like(out: Any) -> Any:
     return tuple(REPLICATE for _ in out) if isinstance(out, tuple) else (None if out is None else REPLICATE)
 
 
-def _output(node: Node, placement: Any, src: frozenset, ctx: PassContext) -> list:
-    """Sharded results are gathered once at the end (or left sharded when the plan says so)."""
+def _output(node: Node, placement: Any, src: frozenset, ctx: PassContext, unpieces: list) -> list:
+    """Sharded results are gathered once at the end (or left sharded when the plan says so); heads in pieces
+    shared by ranks are asked to go one to a rank first (`unpieces`)."""
     keep = bool(src) and all(ctx.override_for(seed_path(o) or "") == "sharded_output" for o in src)
     node.meta["tp_layout"] = Layout("output", [], gather_output=not keep)
     node.meta["tp_placement"] = REPLICATE
@@ -300,7 +289,9 @@ def _output(node: Node, placement: Any, src: frozenset, ctx: PassContext) -> lis
         p = placement(n)
         if isinstance(p, Shard) and (p.segments is not None and len(p.segments) > 1 or p.outer is not None):
             return [(src, f"output {n.name} is split in segments {p.segments}; cannot gather it in order")]
-        if isinstance(p, Shard) and p.pieces is not None:
+        if isinstance(p, Shard) and p.pieces is not None and src and not src & ctx.unpieced:
+            unpieces.append(src)
+        elif isinstance(p, Shard) and p.pieces is not None:
             return [(src, f"output {n.name} is {p.pieces} pieces shared among {ctx.world_size} ranks; "
                           f"a gather would repeat them")]
     return []

@@ -33,7 +33,8 @@ def pointwise(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     # operands in shared pieces are cut locally to an even (or zero-padded) split's blocks
     even = [t for t in targets if t.plain or t.plain_padded]
     if len(targets) > 1 and not (len(even) == 1 and all(t == even[0] or cut_from_shared(t, even[0]) for t in targets)):
-        return Result(REPLICATE, [Want(n, REPLICATE) for n in inputs],
+        pieced = [n for n in inputs if isinstance(ctx.placement(n), Shard) and ctx.placement(n).pieces]
+        return Result(REPLICATE, [Want(n, REPLICATE) for n in inputs], unpiece=pieced or None,
                       conflict=f"operands sharded differently ({', '.join(map(str, targets))})")
     target = even[0] if len(targets) > 1 else targets.pop()
     wants = []

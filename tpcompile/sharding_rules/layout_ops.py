@@ -78,6 +78,7 @@ def repeat(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
             and p.outer is None and not p.seq and not p.rank_cuts:
         copies = replace(p, segments=tuple(p.segments or (size,)) * r, cuts=None if p.cuts is None else p.cuts * r)
         return Result(moved(copies, lead + p.dim), [Want(x, p)])
-    if any(sizes[lead + d] != 1 for d in split_dims(p)):
-        return _fail(x, f"repeats along the split dim {p.dim} ({sizes[lead + p.dim]} times)")
+    if any(sizes[lead + d] != 1 for d in split_dims(p)):  # in pieces: asks for them one to a rank first
+        return replace(_fail(x, f"repeats along the split dim {p.dim} ({sizes[lead + p.dim]} times)"),
+                       unpiece=[x] if p.pieces else None)
     return Result(moved(p, lead + p.dim), [Want(x, p)])

@@ -53,6 +53,9 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         heads = spec.get("heads")
         units = [_unit(s, heads[i] if heads and i < len(heads) else None) if g == ctx.world_size else 1
                  for i, (s, g) in enumerate(zip(segments, counts))]
+        if ctx.unpieced(node) and not ctx.pieces_of(node):  # heads one to a rank, zero-padded, not in pieces
+            units = [s // g if g < ctx.world_size else u for s, g, u in zip(segments, counts, units)]
+            counts = [ctx.world_size] * len(segments)
         unit = spec.get("unit")  # heads padded by whole kv groups (passes/head_groups.py), per segment if fused
         if unit and len(segments) == (len(unit) if isinstance(unit, tuple) else 1):
             units = [_unit(s, u) for s, u in zip(segments, unit if isinstance(unit, tuple) else (unit,))]
@@ -71,8 +74,9 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
             params[b] = param_cut(moved(out, 0), wshape[out_dim])
         return Result(out, [ctx.replicated_want(x, out)], role="column", params=params)
     if isinstance(px, Shard) and px.pieces is not None:
-        # pieces shared by several ranks would be summed once per sharing rank (2 query heads at 4 ranks)
-        return Result(REPLICATE, [Want(x, REPLICATE)], params=params,
+        # pieces shared by several ranks would be summed once per sharing rank (2 query heads at 4 ranks): asks
+        # for them one to a rank, zero-padded (propagate's unpiece), before replicating
+        return Result(REPLICATE, [Want(x, REPLICATE)], params=params, unpiece=[x],
                       conflict=f"input holds {px.pieces} pieces shared among {ctx.world_size} ranks; a row "
                                f"split would count each piece {ctx.world_size // px.pieces} times")
     if isinstance(px, Shard) and px.dim == len(xshape) - 1 and px.outer is None:
@@ -247,7 +251,9 @@ def sdpa(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
                 why = Choice(f"the key/value heads, laid out as {p} over {ctx.world_size} ranks, do not line up with "
                              f"the query heads ({target}): keys and values whole on every rank (kv-head "
                              f"replication), each rank reading the ones its query heads use")
-            return Result(REPLICATE, [Want(n, REPLICATE) for n in tensors], blame=[n], conflict=why)
+            # query heads in pieces shared by ranks, keys and values one to a rank: asks for the query's so too
+            unpiece = [n] if n is q and p.pieces and target.pieces is None else None
+            return Result(REPLICATE, [Want(n, REPLICATE) for n in tensors], blame=[n], conflict=why, unpiece=unpiece)
     wants = []
     for n in (q, k, v):
         heads = ctx.shape(n)[1]

@@ -41,6 +41,8 @@ class Result:
     demote_self: Optional[str] = None  # a seed that cannot be split, and why
     blame: Optional[list[Node]] = None  # the inputs at fault in a conflict (default: all sharded)
     regroup: Optional[int] = None  # the conflict goes away if the origins split into this many pieces
+    unpiece: Optional[list[Node]] = None  # inputs in pieces shared by ranks: the conflict goes away if their
+    # origins' pieces go one to a rank, zero-padded
     note: Optional[str] = None  # why a weight op is deliberately left whole (shown in the plan)
 
 
@@ -90,6 +92,7 @@ class RuleContext:
     segment_hint: Callable[[Node], Optional[tuple[int, ...]]]  # a fused projection's segments (annotate)
     sequence_parallel: bool = False
     pieces_of: Callable[[Node], Optional[int]] = _no_pieces  # a seed split into fewer pieces than ranks
+    unpieced: Callable[[Node], bool] = lambda n: False  # a seed whose heads, fewer than ranks, go one to a rank
     buffer: Callable[[Any], Optional[torch.Tensor]] = lambda n: None  # the buffer a get_attr node reads, else None
     split_bytes: Callable[[Node], int] = lambda n: 0  # bytes of the weights whose splits a value carries (origins)
     place_body: Callable[..., tuple] = _no_bodies  # a region's body placed node by node (passes/region_bodies.py)

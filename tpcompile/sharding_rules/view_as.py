@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Replicate
+from tpcompile.placement import REPLICATE, Replicate, Shard
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want
 from tpcompile.sharding_rules.shape import reshape_placement
@@ -27,6 +27,7 @@ def view_as(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if out is None:
         return Result(REPLICATE, whole, conflict=why)
     if not isinstance(q, Replicate) and q != out:
-        return Result(REPLICATE, whole, conflict=f"reshape as {other.name}, which is laid out as {q}, not as the "
-                                                 f"result's {out}")
+        pieced = [n for n, s in ((x, out), (other, q)) if isinstance(s, Shard) and s.pieces]  # one to a rank?
+        return Result(REPLICATE, whole, unpiece=pieced or None,
+                      conflict=f"reshape as {other.name}, which is laid out as {q}, not as the result's {out}")
     return Result(out, [Want(x, p), Want(other, out)])
