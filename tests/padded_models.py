@@ -372,3 +372,28 @@ class SlotHeads(torch.nn.Module):
         k, v = (h.view(b, t, 2, 8).transpose(1, 2).repeat(1, 2, 1, 1) for h in self.kv(x).chunk(2, dim=-1))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, 2, 16)
         return self.o(a).sum(2)
+
+
+class GroupSubNorm(torch.nn.Module):
+    """Grouped-query attention, 4 query heads of 8 over 2 kv heads (repeated as transformers' repeat_kv does:
+    expand, reshape), its merged heads reduced over before the output projection (`reduce`: an RMS written out,
+    BitNet's sub-norm; a sum, a max, a vector norm, a variance): at 6 and 8 ranks each kv group's heads are cut among
+    the ranks sharing its kv head, zeros past them."""
+
+    def __init__(self, reduce: str = "mean") -> None:
+        super().__init__()
+        self.reduce = reduce
+        self.q, self.k, self.v = torch.nn.Linear(32, 32), torch.nn.Linear(32, 16), torch.nn.Linear(32, 16)
+        self.o = torch.nn.Linear(32, 32)
+        self.scale = torch.nn.Parameter(torch.rand(32) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, 4, 8).transpose(1, 2)
+        k, v = (p(x).view(b, t, 2, 8).transpose(1, 2)[:, :, None].expand(b, 2, 2, t, 8).reshape(b, 4, t, 8)
+                for p in (self.k, self.v))
+        h = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, 32)
+        stat = {"mean": lambda: torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6),
+                "sum": lambda: 1 + h.sum(-1, keepdim=True) / 32, "amax": lambda: 1 + h.amax(-1, keepdim=True).abs(),
+                "norm": lambda: 1 / h.norm(dim=-1, keepdim=True), "var": lambda: 1 + h.var(-1, keepdim=True)}
+        return self.o(h * stat[self.reduce]() * self.scale)

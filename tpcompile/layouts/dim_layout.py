@@ -65,6 +65,11 @@ class DimLayout:
         return [(a, loc, n) for seg, (a, loc, n, _) in zip(self.segments, self.runs(rank))
                 if n > 0 and rank % (self.world_size // seg.pieces) == 0]
 
+    @property
+    def distinct(self) -> bool:
+        """True when every piece is held by one rank only (no piece shared by several ranks)."""
+        return all(seg.pieces == self.world_size for seg in self.segments)
+
     def local_size(self, rank: int) -> int:
         """The dim's size on `rank`, its zero padding included."""
         return sum(seg.cuts[self.piece(seg, rank) + 1] - seg.cuts[self.piece(seg, rank)] for seg in self.segments)

@@ -2,7 +2,8 @@
 small collective, combined exactly on every rank (sharding_rules/reductions.py chooses them).
 
 - sum / mean: the op on the local slice, all-reduced (a mean divided by the world size: equal slices; over a
-  zero-padded split, scaled by the local size over the real one; over tokens whose shares may differ, the sums
+  zero-padded split or each rank's own cut of segments (a kv group's heads), scaled by the local size over the
+  real one; over tokens whose shares may differ, the sums
   summed and divided by the count).
 - max / min / log-sum-exp / vector norm: the op on the local slice, every rank's result gathered
   (`all_gather_replicated`, a new leading dim) and reduced again over the ranks (over a zero-padded split, the
@@ -81,7 +82,8 @@ def _reduce(o: _Ops, node: Node, lookup: Lookup) -> Node:
     combine = spec.get("combine")
     if combine in ("var", "std"):
         return _variance(o, node, lookup, combine)
-    if combine in ("sum", "mean") and o.p.padding is not None:  # zeros that pass no gradient to the padding
+    padded = o.p.padding is not None or o.p.rank_cuts  # zero-padded, or each rank's own cut (zeros past it)
+    if combine in ("sum", "mean") and padded:  # zeros that pass no gradient to the padding
         zeroed, inner = zero_padding(o.em, o.x, lookup(o.x), proven=False), lookup
 
         def lookup(n: Node) -> Node:
@@ -105,7 +107,7 @@ def _reduce(o: _Ops, node: Node, lookup: Lookup) -> Node:
     local.meta.pop("val", None)
     if combine in ("sum", "mean"):
         out = o.call(tp.all_reduce.default, local, o.group)
-        if combine == "mean" and o.p.padding is not None:  # local means over padded slices: scale to the real size
+        if combine == "mean" and padded:  # local means over padded slices: scale to the real size
             return o.call(aten.mul.Scalar, out, o.local[o.p.dim] / int(o.x.meta["val"].shape[o.p.dim]))
         return o.call(aten.div.Scalar, out, o.ws) if combine == "mean" else out
     shape = [1, *node.meta["val"].shape]

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from torch.fx import Node
 
+from tpcompile.layouts import dim_layout
 from tpcompile.placement import REPLICATE, Replicate, Shard, moved, split_dims
 from tpcompile.sharding_rules.dtensor_fallback import example_numel, example_size
 from tpcompile.sharding_rules.padded import zero_padded
@@ -122,9 +123,11 @@ def _weight_of(node: Node) -> Any:
     return node.args[i] if i is not None and i < len(node.args) else None
 
 
-def _splittable(p: Any) -> bool:
-    """A split whose ranks hold equal, distinct, unpadded parts (what partial statistics add up)."""
-    return isinstance(p, Shard) and p.padding is None and p.pieces is None and p.split_next is None
+def _splittable(p: Any, world_size: int) -> bool:
+    """A split whose ranks hold equal, distinct, unpadded parts (what partial statistics add up): no zeros past a
+    rank's own cut, no segment in pieces shared by ranks (a fused q|k|v's kv heads fewer than the ranks)."""
+    return isinstance(p, Shard) and p.padding is None and p.pieces is None and p.split_next is None \
+        and (p.cuts is None or not p.rank_cuts and all(len(c) - 1 == world_size for c in p.cuts))
 
 
 def reduced_dims(node: Node, spec: RuleSpec, nd: int) -> list[int]:
@@ -168,11 +171,15 @@ def _cannot(node: Node, spec: RuleSpec, ctx: RuleContext, p: Shard, dims: list[i
     combine = spec.get("combine")
     if combine is None:
         return "no way to combine partial results of this op"
-    if not _splittable(p):
+    if not _splittable(p, ctx.world_size):
         order = node.args[1] if len(node.args) > 1 else node.kwargs.get("ord", 2)
         adds = combine in ("sum", "mean") or (combine == "norm" and isinstance(order, (int, float)) and order > 0)
         if adds and p.plain_padded and zero_padded(node.args[0], ctx.placement):
             return None  # the padding holds zeros: the ranks' sums add up to the real one
+        size = ctx.shape(node.args[0])[p.dim]
+        if combine in ("sum", "mean") and p.rank_cuts and p.outer is None and isinstance(size, int) \
+                and dim_layout(p, size, ctx.world_size).distinct:
+            return None  # each rank's own cut of every segment (a kv group's heads), its padding zeroed first
         if combine in ("var", "std") and p.plain_padded and dims == [p.dim] == [len(ctx.shape(node.args[0])) - 1]:
             return None  # each rank's moments over its real entries, merged with their counts (padding left out)
         if combine in ("max", "min", "logsumexp") and p.plain_padded:
@@ -229,7 +236,7 @@ def softmax(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     dim = norm_dim(node.args[spec.get("dim_arg")], len(ctx.shape(x)))
     if dim not in split_dims(p):
         return Result(p, [Want(x, p)])
-    if not _splittable(p) or p.segments is not None or p.outer is not None:
+    if not _splittable(p, ctx.world_size) or p.segments is not None or p.outer is not None:
         return Result(REPLICATE, [Want(x, REPLICATE)], conflict=f"needs the whole of dim {dim}, split as {p}")
     return choose(node, x, ctx, 2, "softmax", Result(p, [Want(x, p)]))
 
