@@ -397,3 +397,23 @@ class GroupSubNorm(torch.nn.Module):
                 "sum": lambda: 1 + h.sum(-1, keepdim=True) / 32, "amax": lambda: 1 + h.amax(-1, keepdim=True).abs(),
                 "norm": lambda: 1 / h.norm(dim=-1, keepdim=True), "var": lambda: 1 + h.var(-1, keepdim=True)}
         return self.o(h * stat[self.reduce]() * self.scale)
+
+
+class EagerGroupAttention(torch.nn.Module):
+    """Grouped-query attention written out (Gemma-2's eager path): 4 query heads of 8 over 2 kv heads repeated as
+    repeat_kv does, q @ k^T scaled and soft-capped (tanh), a causal mask added, a softmax, then @ v."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = torch.nn.Linear(32, 32), torch.nn.Linear(32, 16), torch.nn.Linear(32, 16)
+        self.o = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, 4, 8).transpose(1, 2)
+        k, v = (p(x).view(b, t, 2, 8).transpose(1, 2)[:, :, None].expand(b, 2, 2, t, 8).reshape(b, 4, t, 8)
+                for p in (self.k, self.v))
+        scores = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * 8 ** -0.5 / 20) * 20
+        mask = torch.full((t, t), float("-inf")).triu(1)
+        a = torch.matmul((scores + mask).softmax(-1), v)
+        return self.o(a.transpose(1, 2).reshape(b, t, 32))

@@ -18,7 +18,7 @@ from padded_models import (
     NormedMLP, SubNormAttention, GatedAttention, GateViewAs, RowsPerHead, AlibiAttention, StackedGateMLP, ShortConv,
     PaddedTokens, ConvLinearAttention, GatedHeadNorm, InterleavedGLU, SparseActivationMLP, GateTimesWhole,
     LogitStats, EmbeddingPlusProjection, DiffAttention, PairedHeads, WholeInputConvHeads, Recurrent, ExpertHeads,
-    SlotHeads, GroupSubNorm)
+    SlotHeads, GroupSubNorm, EagerGroupAttention)
 from sgd_steps import sgd_losses
 
 
@@ -335,10 +335,22 @@ def test_reductions_over_kv_groups_cut_among_ranks(reduce: str, ws: int) -> None
         assert sm.plan.parameters["q.weight"].cuts is not None
 
 
+@pytest.mark.parametrize("ws", [3, 6, 8])
+def test_attention_written_out_is_split_by_kv_groups(ws: int) -> None:
+    """Grouped-query attention written out (q @ k^T soft-capped, a mask, a softmax, @ v; Gemma-2's eager path) with
+    2 kv heads at 3, 6 and 8 ranks is found as an attention, as scaled_dot_product_attention is: its query heads
+    split by kv group (q and o hold a quarter of their rows at 6 and 8 ranks, a half at 3), no warning (at 6 and 8
+    the projections were replicated), equal."""
+    torch.manual_seed(0)
+    model = EagerGroupAttention()
+    sm = _split(model, ws, column=("q.weight", "k.weight", "v.weight"), row=("o.weight",), one_all_reduce=True)
+    assert sm.plan.parameters["q.weight"].local_shape == ((16, 32) if ws == 3 else (8, 32))
+
+
 def _on_six(rank: int) -> dict:
     """On one of 6 gloo processes: the models whose heads are fewer than the ranks, output against the original's."""
     out = {}
-    for cls in (PairedHeads, SlotHeads, RowsPerHead, GatedAttention, GroupSubNorm):
+    for cls in (PairedHeads, SlotHeads, RowsPerHead, GatedAttention, GroupSubNorm, EagerGroupAttention):
         torch.manual_seed(0)
         model = cls()
         gm = tpcompile.parallelize(model, example_inputs=(torch.randn(2, 5, 32),))
@@ -351,10 +363,10 @@ def _on_six(rank: int) -> dict:
 @pytest.mark.gloo
 def test_heads_fewer_than_ranks_on_six_processes() -> None:
     """tpcompile.parallelize on 6 gloo processes for models with 2, 3 and 4 heads (one to a rank, zero-padded) and
-    for 2 kv groups each cut among 3 ranks, a mean over their merged heads: outputs equal the original's on every
-    rank."""
+    for 2 kv groups each cut among 3 ranks (a mean over their merged heads; attention written out): outputs equal
+    the original's on every rank."""
     for rank, diffs in enumerate(launch(6, _on_six, timeout=300)):
-        assert len(diffs) == 5 and max(diffs.values()) < 1e-4, (rank, diffs)
+        assert len(diffs) == 6 and max(diffs.values()) < 1e-4, (rank, diffs)
 
 
 def _on_gloo(rank: int) -> dict:

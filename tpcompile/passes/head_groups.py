@@ -17,7 +17,8 @@ cuts, sharding_rules/group_cuts.py). Separate query, key and value projections a
 (the query projection's `kv_groups`, the key and value projections' pieces, the kv repeats' `pad_within`), and a
 fused q|k|v projection with more than one kv head too (its `kv_groups`: one cut of its q, k and v segments).
 
-This pass finds each attention's query, key and value projections (through the views, transposes, rotary
+This pass finds each attention (`scaled_dot_product_attention`, or written out: q @ k^T, a softmax, @ v),
+its query, key and value projections (through the views, transposes, rotary
 embedding and kv repeats between them; one fused q|k|v projection's three segments too) and, where whole
 groups hold no more parameter bytes on the largest rank (query and output projections against key and
 value projections, one head each; a tie goes to the groups, as the kv heads, and a KV cache of them, are
@@ -41,17 +42,55 @@ from tpcompile.sharding_rules import RuleSpec
 from tpcompile.sharding_rules.rule_context import weight_view
 
 SDPA = (torch.ops.aten.scaled_dot_product_attention.default,)
+_MATMUL = (torch.ops.aten.matmul.default,)
+_TRANSPOSE = (torch.ops.aten.transpose.int,)
 _WALK = 64  # nodes visited back from an attention input before giving up
+_SCORES = 12  # nodes followed from the scores q @ k^T to the product with v
+
+
+def attentions(gm: GraphModule) -> list[tuple[Node, Node, Node]]:
+    """(q, k, v) of each attention: the inputs of scaled_dot_product_attention, or of one written out: q @ k^T
+    (k transposed in its last two dims), the scores through a softmax, a mask, a scale or a cast, @ v."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in SDPA and len(node.args) >= 3:
+            out.append(tuple(node.args[:3]))
+        elif node.op == "call_function" and node.target in _MATMUL and _transposed(node.args[1]):
+            v = _values(node)
+            if v is not None:
+                out.append((node.args[0], node.args[1].args[0], v))
+    return [t for t in out if all(isinstance(a, Node) for a in t)]
+
+
+def _transposed(n: object) -> bool:
+    """k^T: a transpose of the last two dims of a 4-D value."""
+    if not isinstance(n, Node) or n.target not in _TRANSPOSE or not isinstance(n.args[0], Node):
+        return False
+    val = n.args[0].meta.get("val")
+    return val is not None and val.dim() == 4 and sorted(d % 4 for d in n.args[1:3]) == [2, 3]
+
+
+def _values(scores: Node) -> Optional[Node]:
+    """The v that the scores, softmaxed, multiply: the second operand of the first matmul they reach (one tensor
+    user a step: checks of the metadata and sizes read aside), past a softmax."""
+    n, softmaxed = scores, False
+    for _ in range(_SCORES):
+        users = [u for u in n.users if isinstance(u.meta.get("val"), torch.Tensor)]
+        if len(users) != 1:
+            return None
+        n = users[0]
+        softmaxed = softmaxed or "softmax" in str(n.target)
+        if n.target in _MATMUL:
+            return n.args[1] if softmaxed and n.args[0] is not scores else None
+    return None
 
 
 def mark_head_groups(gm: GraphModule, ctx: PassContext) -> None:
     """Set `unit` on the query projection of each grouped-query attention best split by whole groups."""
     ws = ctx.world_size
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in SDPA or len(node.args) < 3:
-            continue
-        found = [projection(a, ctx) for a in node.args[:3]]
-        q_val = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
+    for q_arg, k_arg, v_arg in attentions(gm):
+        found = [projection(a, ctx) for a in (q_arg, k_arg, v_arg)]
+        q_val = q_arg.meta.get("val")
         if any(f is None for f in found) or q_val is None:
             continue
         fused = len({id(f) for f in found}) == 1  # one q|k|v projection (Phi-3): its three segments
@@ -75,12 +114,12 @@ def mark_head_groups(gm: GraphModule, ctx: PassContext) -> None:
         replicated = 2 * -(-heads // ws) + 2 * kv  # q and o split by heads, k and v whole
         units = (rep * hd, hd, hd) if groups <= replicated else None  # q by whole groups; k and v padded by heads
         if ws % kv == 0 and (not fused or kv > 1):  # kv heads in pieces, each group's query heads cut among its ranks
-            _split_groups(found, node, kv, ws // kv, hd, ctx, units, fused)
+            _split_groups(found, (k_arg, v_arg), kv, ws // kv, hd, ctx, units, fused)
         elif units:
             _set_units(found, fused, units)
 
 
-def _split_groups(found: list, attention: Node, kv: int, share: int, hd: int, ctx: PassContext,
+def _split_groups(found: list, kv_args: tuple, kv: int, share: int, hd: int, ctx: PassContext,
                   units: Optional[tuple], fused: bool) -> None:
     """Each kv head in a piece of its own (held by `share` ranks), its group of query heads split among those ranks
     and zero-padded to a multiple of them (sharding_rules/group_cuts.py), the kv repeats between the key and
@@ -92,7 +131,7 @@ def _split_groups(found: list, attention: Node, kv: int, share: int, hd: int, ct
     _add(q, kv_groups=(kv, share, hd))
     if not fused:
         ctx.pieces[k] = ctx.pieces[v] = kv
-    repeats = [n for arg, proj in zip(attention.args[1:3], (k, v)) for n in _between(arg, proj)
+    repeats = [n for arg, proj in zip(kv_args, (k, v)) for n in _between(arg, proj)
                if getattr(n.meta.get("tp_rule"), "rule", None) == "expand"]
     for n in repeats:
         _add(n, pad_within=True)
