@@ -417,3 +417,19 @@ class EagerGroupAttention(torch.nn.Module):
         mask = torch.full((t, t), float("-inf")).triu(1)
         a = torch.matmul((scores + mask).softmax(-1), v)
         return self.o(a.transpose(1, 2).reshape(b, t, 32))
+
+
+class GroupPadTokens(torch.nn.Module):
+    """Mamba-2's B: one group of 8 projected for every head (repeated for the 4 heads of 8, repeat_interleave),
+    both padded along the tokens to a multiple of a chunk of 4 (F.pad), multiplied and summed over the tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.x, self.b, self.o = torch.nn.Linear(32, 32), torch.nn.Linear(32, 8), torch.nn.Linear(32, 32)
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        b, t, _ = inp.shape
+        x = self.x(inp).view(b, t, 4, 8)
+        g = self.b(inp).view(b, t, 1, 8).repeat_interleave(4, dim=2)
+        x, g = (F.pad(z, (0, 0, 0, 0, 0, -t % 4)) for z in (x, g))
+        return self.o((x * g).cumsum(1)[:, :t].reshape(b, t, 32))

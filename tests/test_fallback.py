@@ -56,7 +56,6 @@ CASES: list[tuple[str, Op, str]] = [
     ("sort", lambda h: torch.sort(h, 1)[0], "aten.sort.default"),
     ("topk", lambda h: torch.topk(h, 2, 1)[0].sum(1, keepdim=True) + h, "aten.topk.default"),
     ("glu", lambda h: F.glu(torch.cat([h, h.sin()], 1), 1), "aten.glu.default"),
-    ("pad", lambda h: F.pad(h, (0, 0, 1, 1))[:, 1:-1] * 2, "aten.pad.default"),
     ("diff", lambda h: torch.diff(h, dim=1, prepend=h[:, :1]), "aten.diff.default"),
     ("cumprod", lambda h: torch.cumprod(h.sigmoid(), 1), "aten.cumprod.default"),
     ("cummax", lambda h: torch.cummax(h, 1)[0], "aten.cummax.default"),

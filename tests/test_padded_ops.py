@@ -18,7 +18,7 @@ from padded_models import (
     NormedMLP, SubNormAttention, GatedAttention, GateViewAs, RowsPerHead, AlibiAttention, StackedGateMLP, ShortConv,
     PaddedTokens, ConvLinearAttention, GatedHeadNorm, InterleavedGLU, SparseActivationMLP, GateTimesWhole,
     LogitStats, EmbeddingPlusProjection, DiffAttention, PairedHeads, WholeInputConvHeads, Recurrent, ExpertHeads,
-    SlotHeads, GroupSubNorm, EagerGroupAttention)
+    SlotHeads, GroupSubNorm, EagerGroupAttention, GroupPadTokens)
 from sgd_steps import sgd_losses
 
 
@@ -347,10 +347,21 @@ def test_attention_written_out_is_split_by_kv_groups(ws: int) -> None:
     assert sm.plan.parameters["q.weight"].local_shape == ((16, 32) if ws == 3 else (8, 32))
 
 
+@pytest.mark.parametrize("ws", [2, 4, 5, 6])
+def test_padding_the_tokens_of_one_group_whole_on_every_rank(ws: int) -> None:
+    """Mamba-2's one group of B, whole on every rank and repeated for 4 heads, padded along the tokens (F.pad, a
+    row of the op table: `layout_ops.pad`): the padding touches no split dim and keeps the layout; at 5 and 6 ranks,
+    more than the 4 heads, DTensor's strategy replicated it (a dim of fewer entries than ranks) and with it the
+    group's projection, with a warning."""
+    torch.manual_seed(0)
+    _split(GroupPadTokens(), ws, column=("x.weight", "b.weight"), row=("o.weight",), one_all_reduce=True)
+
+
 def _on_six(rank: int) -> dict:
     """On one of 6 gloo processes: the models whose heads are fewer than the ranks, output against the original's."""
     out = {}
-    for cls in (PairedHeads, SlotHeads, RowsPerHead, GatedAttention, GroupSubNorm, EagerGroupAttention):
+    for cls in (PairedHeads, SlotHeads, RowsPerHead, GatedAttention, GroupSubNorm, EagerGroupAttention,
+                GroupPadTokens):
         torch.manual_seed(0)
         model = cls()
         gm = tpcompile.parallelize(model, example_inputs=(torch.randn(2, 5, 32),))
@@ -363,10 +374,10 @@ def _on_six(rank: int) -> dict:
 @pytest.mark.gloo
 def test_heads_fewer_than_ranks_on_six_processes() -> None:
     """tpcompile.parallelize on 6 gloo processes for models with 2, 3 and 4 heads (one to a rank, zero-padded) and
-    for 2 kv groups each cut among 3 ranks (a mean over their merged heads; attention written out): outputs equal
-    the original's on every rank."""
+    for 2 kv groups each cut among 3 ranks (a mean over their merged heads; attention written out), and one group
+    whole on every rank padded along the tokens: outputs equal the original's on every rank."""
     for rank, diffs in enumerate(launch(6, _on_six, timeout=300)):
-        assert len(diffs) == 6 and max(diffs.values()) < 1e-4, (rank, diffs)
+        assert len(diffs) == 7 and max(diffs.values()) < 1e-4, (rank, diffs)
 
 
 def _on_gloo(rank: int) -> dict:

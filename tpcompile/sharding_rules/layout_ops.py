@@ -4,7 +4,9 @@ Ops DTensor can place (stack, view_as_complex, flip, ...) have no row and go thr
 fallback (dtensor_fallback.py), which also carries segments, pieces and batch x heads layouts
 through ops that keep the split dim's size. What remains is an op that changes the size of a
 dim split in pieces: grouped-query attention's `repeat_interleave` of kv heads, when there are
-fewer kv heads than ranks; and `repeat` on the other dims of any split, zero-padded ones included.
+fewer kv heads than ranks; `repeat` on the other dims of any split, zero-padded ones included; and `pad` along dims
+the split does not touch (Mamba-2's chunk padding of the tokens, its B and C whole on every rank: DTensor's strategy
+replicates a dim of fewer entries than ranks).
 """
 from __future__ import annotations
 
@@ -56,6 +58,22 @@ def repeat_interleave(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return _fail(x, f"{size} entries in {p.pieces} pieces repeated {repeats} times do not give each of the "
                         f"{share} ranks sharing a piece whole entries of its own")
     return Result(Shard(dim, seq=p.seq), [Want(x, p)], localize=[("split", i, None, share)])
+
+
+@rule("pad", args={"pad_arg": int})
+def pad(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
+    """F.pad / constant_pad_nd: padding only dims the split does not touch keeps the split; otherwise DTensor's
+    strategy decides."""
+    x = node.args[0]
+    p = ctx.placement(x)
+    if not isinstance(p, Shard):
+        return Result(REPLICATE, [Want(x, REPLICATE)])
+    amounts = list(node.args[spec.get("pad_arg")])
+    nd = len(ctx.shape(x))
+    touched = {nd - 1 - i // 2 for i, a in enumerate(amounts) if not (isinstance(a, int) and a == 0)}
+    if touched & set(split_dims(p)):
+        return dtensor_result(node, ctx) or _fail(x, f"pads the split dim {p.dim}")
+    return Result(p, [Want(x, p)])
 
 
 def _fail(x: Node, why: str) -> Result:
