@@ -71,10 +71,11 @@ def test_a_fused_projection_cuts_its_groups(heads: int, kv: int, ws: int, split:
 
 def test_the_plan_shows_each_ranks_part_of_the_fused_projection() -> None:
     """12 heads on 4 kv heads at 8 ranks: rank 2k holds 2 heads of group k, rank 2k + 1 one (and a zero head), each
-    with kv head k's key and value; every real row of the fused weight is on a rank, k and v rows on two."""
+    with kv head k's key and value (4 heads and 3 heads of 4 rows); every real row of the fused weight is on a rank,
+    k and v rows on two."""
     sm, _ = _shard(_fused_net(12, 4), 8)
     qkv = sm.plan.parameters["blocks.0.attn.qkv.weight"]
-    assert split_text(qkv) == "column@0 12|12|12|12|16|16 cut 16|12|16|12|16|12|16|12"
+    assert split_text(qkv) == "column@0 12|12|12|12|16|16 cut 16|12|16|12|16|12|16|12 heads 4|3|4|3|4|3|4|3"
     held = {}
     for r in range(8):
         for start, _, n in tpcompile.placement.rank_pieces(qkv.slice(), 80, r, 8):

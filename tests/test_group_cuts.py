@@ -42,14 +42,15 @@ def test_query_heads_split_within_their_kv_groups(heads: int, kv: int, ws: int) 
 
 def test_every_query_head_is_held_once_and_the_plan_shows_each_ranks_part() -> None:
     """12 heads on 4 kv heads at 8 ranks: ranks 2k and 2k + 1 hold heads 3k, 3k + 1 and 3k + 2 (and a zero head);
-    every row of the query weight is on exactly one rank, and `tpcompile plan` says how much on each."""
+    every row of the query weight is on exactly one rank, and `tpcompile plan` says how much on each (rows, and heads
+    of 4)."""
     sm, _ = _shard(_net(12, 4, head_dim=HEAD, width=40), 8)
     q = sm.plan.parameters["blocks.0.attn.q.weight"]
     held = [[(a, n) for a, _, n in rank_pieces(q.slice(), 48, r, 8)] for r in range(8)]
     assert held[:4] == [[(0, 8)], [(8, 4)], [(12, 8)], [(20, 4)]]
     rows = sorted(i for runs in held for a, n in runs for i in range(a, a + n))
     assert rows == list(range(48))
-    assert split_text(q) == "column@0 12|12|12|12 cut 8|4|8|4|8|4|8|4"
+    assert split_text(q) == "column@0 12|12|12|12 cut 8|4|8|4|8|4|8|4 heads 2|1|2|1|2|1|2|1"
     assert "S(1|3:2.1~4+3:2.1~4+3:2.1~4+3:2.1~4)" in {str(sm.decisions.placement(n)) for n in sm.captured.graph.nodes}
 
 

@@ -140,7 +140,8 @@ def test_plan_shows_each_ranks_real_share() -> None:
     model = _net(6, 6)
     sm, _ = _shard(model, 4)
     text = split_text(sm.plan.parameters["blocks.0.attn.q.weight"])
-    assert text == "column@0 padded 64 (16|16|16|0)", text
+    assert text == "column@0 padded 64 (16|16|16|0) heads 2|2|2|0", text
+    assert split_text(sm.plan.parameters["blocks.0.attn.o.weight"]).endswith(" heads 2|2|2|0")
 
 
 class FusedAttention(nn.Module):

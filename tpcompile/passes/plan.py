@@ -5,7 +5,7 @@ overrides (tpcompile.overrides), and `tpcompile plan` renders a Plan (report/pla
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
 from torch import nn
@@ -36,6 +36,7 @@ class ParamPlan:
     seg_pieces: Optional[tuple[int, ...]] = None  # per segment, its number of pieces (kv heads fewer than ranks)
     cuts: Optional[Cuts] = None  # per segment, the bounds of its pieces; a padded split's one cut (Shard.cuts)
     world_size: int = 1
+    head: Optional[int] = None  # the features one head spans along the split dim (`tpcompile plan`: heads a rank)
 
     def slice(self) -> Optional[ParamSlice]:
         """How the parameter is cut (tpcompile.placement.rank_pieces; None: whole)."""
@@ -113,6 +114,23 @@ def build_plan(gm: GraphModule, decided: Decisions, ctx: PassContext) -> Plan:
             role = "unread"
         local = slice_shape(t.shape, sl, decided.world_size)
         tied = tuple(n for n in decided.aliases(name) if n != name)
-        plan.parameters[name] = param_plan(name, role, sl, tuple(t.shape), local, tied, decided.world_size)
+        plan.parameters[name] = replace(param_plan(name, role, sl, tuple(t.shape), local, tied, decided.world_size),
+                                        head=head_size(name, decided, ctx))
     return plan
+
+
+def head_size(name: str, decided: Decisions, ctx: PassContext) -> Optional[int]:
+    """The features one head spans along a parameter's split: its weight ops' head size (`heads`, a group cut's, or
+    else the `unit` its padding keeps whole), a row split's from the column splits it reads; None unless they agree
+    on one size."""
+    users = ctx.param_seeds.get(name, frozenset())
+    sizes: set = set()
+    for seed in {*users, *(o for u in users for o in ctx.row_inputs.get(u, ()))}:
+        spec = decided.rule(seed)
+        if spec is None:
+            continue
+        groups = spec.get("kv_groups")
+        found = (groups[2],) if groups else spec.get("heads") or spec.get("unit") or ()
+        sizes |= {s for s in (found if isinstance(found, tuple) else (found,)) if isinstance(s, int) and s > 1}
+    return sizes.pop() if len(sizes) == 1 else None
 

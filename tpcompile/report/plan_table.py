@@ -81,6 +81,8 @@ def split_text(pp: Any) -> str:
         text += f" {pp.pieces} pieces"
     if sl.rank_cuts:  # each rank's real part of its one piece: 'cut 16|8|16|8' (a kv group's heads split 2 | 1)
         text += f" cut {'|'.join(map(str, held))}"
+    if (pp.padded or sl.rank_cuts) and pp.head and not any(h % pp.head for h in held):  # heads a rank: 'heads 2|2|0'
+        text += f" heads {'|'.join(str(h // pp.head) for h in held)}"
     return text
 
 
