@@ -433,3 +433,20 @@ class GroupPadTokens(torch.nn.Module):
         g = self.b(inp).view(b, t, 1, 8).repeat_interleave(4, dim=2)
         x, g = (F.pad(z, (0, 0, 0, 0, 0, -t % 4)) for z in (x, g))
         return self.o((x * g).cumsum(1)[:, :t].reshape(b, t, 32))
+
+
+class GroupedKeyHeads(torch.nn.Module):
+    """Qwen3-Next's linear attention projection: one projection laid out by key head, each of the 2 groups holding
+    its query and key head (8 each) and its 2 value heads (16); the query and key heads repeated for the value heads
+    (repeat_interleave), a gate per head from q . k, times the values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.o = torch.nn.Linear(32, 64), torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 2, 32).split([8, 8, 16], dim=-1)
+        q, k = (z.repeat_interleave(2, dim=2) for z in (q, k))
+        gate = torch.sigmoid((q * k).sum(-1, keepdim=True))
+        return self.o((gate * v.reshape(b, t, 4, 8)).reshape(b, t, 32))

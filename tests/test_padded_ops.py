@@ -18,7 +18,7 @@ from padded_models import (
     NormedMLP, SubNormAttention, GatedAttention, GateViewAs, RowsPerHead, AlibiAttention, StackedGateMLP, ShortConv,
     PaddedTokens, ConvLinearAttention, GatedHeadNorm, InterleavedGLU, SparseActivationMLP, GateTimesWhole,
     LogitStats, EmbeddingPlusProjection, DiffAttention, PairedHeads, WholeInputConvHeads, Recurrent, ExpertHeads,
-    SlotHeads, GroupSubNorm, EagerGroupAttention, GroupPadTokens)
+    SlotHeads, GroupSubNorm, EagerGroupAttention, GroupPadTokens, GroupedKeyHeads)
 from sgd_steps import sgd_losses
 
 
@@ -357,11 +357,22 @@ def test_padding_the_tokens_of_one_group_whole_on_every_rank(ws: int) -> None:
     _split(GroupPadTokens(), ws, column=("x.weight", "b.weight"), row=("o.weight",), one_all_reduce=True)
 
 
+@pytest.mark.parametrize("ws", [6, 8])
+def test_key_heads_repeated_for_value_heads_go_one_to_a_rank(ws: int) -> None:
+    """2 key-head groups (query and key head, 2 value heads each) at 6 and 8 ranks: in 2 pieces each shared by 3
+    or 4 ranks, the query and key heads repeated twice cannot give each sharing rank its own; the groups go one to
+    a rank, zero-padded, instead (the projection was replicated with a warning): the largest rank holds one group,
+    as a split balanced by groups does."""
+    torch.manual_seed(0)
+    sm = _split(GroupedKeyHeads(), ws, column=("qkv.weight",), row=("o.weight",), one_all_reduce=True)
+    assert sm.plan.parameters["qkv.weight"].local_shape == (32, 32)
+
+
 def _on_six(rank: int) -> dict:
     """On one of 6 gloo processes: the models whose heads are fewer than the ranks, output against the original's."""
     out = {}
     for cls in (PairedHeads, SlotHeads, RowsPerHead, GatedAttention, GroupSubNorm, EagerGroupAttention,
-                GroupPadTokens):
+                GroupPadTokens, GroupedKeyHeads):
         torch.manual_seed(0)
         model = cls()
         gm = tpcompile.parallelize(model, example_inputs=(torch.randn(2, 5, 32),))
@@ -377,7 +388,7 @@ def test_heads_fewer_than_ranks_on_six_processes() -> None:
     for 2 kv groups each cut among 3 ranks (a mean over their merged heads; attention written out), and one group
     whole on every rank padded along the tokens: outputs equal the original's on every rank."""
     for rank, diffs in enumerate(launch(6, _on_six, timeout=300)):
-        assert len(diffs) == 7 and max(diffs.values()) < 1e-4, (rank, diffs)
+        assert len(diffs) == 8 and max(diffs.values()) < 1e-4, (rank, diffs)
 
 
 def _on_gloo(rank: int) -> dict:

@@ -55,8 +55,8 @@ def repeat_interleave(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if p.pieces == 1 and p.split_next is None and repeats % share:  # whole on every rank: repeated whole, each
         return Result(p, [Want(x, p)])  # rank later reading its part (its padded heads, sharding_rules/matmul.py)
     if p.split_next is not None or not isinstance(size, int) or size != p.pieces or repeats % share:
-        return _fail(x, f"{size} entries in {p.pieces} pieces repeated {repeats} times do not give each of the "
-                        f"{share} ranks sharing a piece whole entries of its own")
+        return replace(_fail(x, f"{size} entries in {p.pieces} pieces repeated {repeats} times do not give each of "
+                                f"the {share} ranks sharing a piece whole entries of its own"), unpiece=[x])
     return Result(Shard(dim, seq=p.seq), [Want(x, p)], localize=[("split", i, None, share)])
 
 
