@@ -32,16 +32,18 @@ def test_mamba_mixers_split_at_three_ranks(arch: str) -> None:
     assert row["balanced"] <= 1.15
 
 
-def test_docs_section_is_the_cache_rendered() -> None:
-    """docs/architectures.md's section on the zoo at 3 ranks is what bench/zoo_uneven.py makes of its cache and the
-    zoo's own rows, never typed."""
-    meta, rows = zoo.load_cache(zoo_uneven.CACHE)
+@pytest.mark.parametrize("ws", [3, 6])
+def test_docs_section_is_the_cache_rendered(ws: int) -> None:
+    """docs/architectures.md's sections on the zoo at 3 and 6 ranks are what bench/zoo_uneven.py makes of its
+    caches and the zoo's own rows, never typed."""
+    meta, rows = zoo.load_cache(zoo_uneven.cache_path(ws))
+    begin, end = zoo_uneven.markers(ws)
     text = zoo.DOCS.read_text(encoding="utf-8")
-    assert zoo_uneven.BEGIN in text and zoo_uneven.END in text, "python -m bench.zoo_uneven --render writes it"
-    section = zoo_uneven.BEGIN + text.split(zoo_uneven.BEGIN, 1)[1].split(zoo_uneven.END, 1)[0] + zoo_uneven.END
+    assert begin in text and end in text, f"python -m bench.zoo_uneven --world-size {ws} --render writes it"
+    section = begin + text.split(begin, 1)[1].split(end, 1)[0] + end
     names = [n for n in zoo.zoo_types() if n in rows]
-    want = zoo_uneven.render({n: rows[n] for n in names}, zoo.load_cache(zoo.CACHE)[1], meta)
-    assert section + "\n" == want, "stale: python -m bench.zoo_uneven --render"
+    want = zoo_uneven.render({n: rows[n] for n in names}, zoo.load_cache(zoo.CACHE)[1], meta, ws)
+    assert section + "\n" == want, f"stale: python -m bench.zoo_uneven --world-size {ws} --render"
 
 
 def test_a_warning_of_a_kind_seen_at_two_ranks_is_not_new() -> None:

@@ -66,12 +66,12 @@ def propagate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
                  if o not in ctx.demoted}
         regrouped = {o: n for origins, n in sweep.regroups for o in origins if o not in ctx.pieces}
         ctx.pieces.update(regrouped)
-        unpieced = frozenset().union(*sweep.unpieces) - ctx.unpieced
+        unpieced = frozenset().union(*sweep.unpieces) - ctx.unpieced  # heads one to a rank instead of in pieces
         ctx.unpieced |= unpieced
-        regrouped = regrouped or unpieced  # either is progress
         undone = give_up_group_cuts(set(fresh), ctx)  # blamed heads cut within their groups: whole groups instead
         fresh = {} if undone else fresh
-        if sweep.unsettled and not fresh and not regrouped and not undone:
+        changed = regrouped or unpieced or undone
+        if sweep.unsettled and not fresh and not changed:
             if resettled:  # a second change in a row without progress: the splits chase each other
                 fresh = {o: f"parameter {t} is read in ways whose splits disagree" for t, seeds in
                          sweep.unsettled.items() for o in seeds if o not in ctx.demoted}
@@ -79,7 +79,7 @@ def propagate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 resettled = True
                 continue  # read the parameters as this round cut them
         resettled = False
-        if not fresh and not regrouped and not undone:
+        if not fresh and not changed:
             unwished = wished_upstream(sweep) - ctx.unwished if sweep.conflicts else set()
             if unwished:  # nothing left to blame but parameters cut by wishes: keep them whole and judge again
                 log.info("propagate round %d: keeping %s whole", ctx.iterations, ", ".join(sorted(unwished)))

@@ -11,10 +11,10 @@ from typing import Any, Optional
 import torch
 from torch.fx import GraphModule, Node
 
+from tpcompile.passes.blame import upstream
 from tpcompile.passes.layout import Layout
 from tpcompile.passes.param_cuts import cut_two_ways, wished_cut
 from tpcompile.passes.op_result import check_wants, gathering_seq, op_result
-from tpcompile.passes.blame import upstream
 from tpcompile.passes.pass_context import PassContext, describe, internal_error
 from tpcompile.passes.pending_sums import lonely_lookups
 from tpcompile.passes.region_bodies import place_body
@@ -215,7 +215,8 @@ class Sweep:
         self.ctx.param_slices, self.ctx.param_seeds = {}, {}
         # This round's other conflicts change what reaches a parameter's users (a weight shared by layers,
         # first reached while the residual stream is still split): a disagreement is judged once they are gone.
-        progress = self.regroups or self.unpieces or any(o not in self.ctx.demoted for origins, _ in self.conflicts for o in origins)
+        progress = self.regroups or self.unpieces or any(o not in self.ctx.demoted for origins, _ in self.conflicts
+                                                         for o in origins)
         for target, by_slice in self.requests.items():
             if len(by_slice) > 1 and not progress:
                 self.conflicts.append(cut_two_ways(target, by_slice, self.ctx, weight_args) or (
