@@ -18,7 +18,7 @@ from padded_models import (
     NormedMLP, SubNormAttention, GatedAttention, GateViewAs, RowsPerHead, AlibiAttention, StackedGateMLP, ShortConv,
     PaddedTokens, ConvLinearAttention, GatedHeadNorm, InterleavedGLU, SparseActivationMLP, GateTimesWhole,
     LogitStats, EmbeddingPlusProjection, DiffAttention, PairedHeads, WholeInputConvHeads, Recurrent, ExpertHeads,
-    SlotHeads, GroupSubNorm, EagerGroupAttention, GroupPadTokens, GroupedKeyHeads)
+    SlotHeads, GroupSubNorm, EagerGroupAttention, GroupPadTokens, GroupedKeyHeads, GatedGroupAttention)
 from sgd_steps import sgd_losses
 
 
@@ -368,11 +368,24 @@ def test_key_heads_repeated_for_value_heads_go_one_to_a_rank(ws: int) -> None:
     assert sm.plan.parameters["qkv.weight"].local_shape == (32, 32)
 
 
+@pytest.mark.parametrize("ws", [6, 8])
+def test_gate_of_heads_split_by_whole_groups_takes_their_unit(ws: int) -> None:
+    """2 kv heads at 6 and 8 ranks, q and k normalised over their whole projections (no kv heads in pieces): the
+    query heads go by whole kv groups, 2 heads a rank, and so does the sigmoid gate multiplying the merged heads
+    (padded by one head it met them laid out otherwise, and everything was replicated with a warning). The two
+    norms' statistics are gathered, the output projection all-reduced."""
+    torch.manual_seed(0)
+    sm = _split(GatedGroupAttention(), ws, column=("q.weight", "k.weight", "v.weight", "gate.weight"),
+                row=("o.weight",))
+    assert sm.plan.parameters["gate.weight"].local_shape == sm.plan.parameters["q.weight"].local_shape == (16, 32)
+    assert sorted(op for op, _ in sm.collectives()) == ["all_gather", "all_gather", "all_reduce"]
+
+
 def _on_six(rank: int) -> dict:
     """On one of 6 gloo processes: the models whose heads are fewer than the ranks, output against the original's."""
     out = {}
     for cls in (PairedHeads, SlotHeads, RowsPerHead, GatedAttention, GroupSubNorm, EagerGroupAttention,
-                GroupPadTokens, GroupedKeyHeads):
+                GroupPadTokens, GroupedKeyHeads, GatedGroupAttention):
         torch.manual_seed(0)
         model = cls()
         gm = tpcompile.parallelize(model, example_inputs=(torch.randn(2, 5, 32),))
@@ -388,7 +401,7 @@ def test_heads_fewer_than_ranks_on_six_processes() -> None:
     for 2 kv groups each cut among 3 ranks (a mean over their merged heads; attention written out), and one group
     whole on every rank padded along the tokens: outputs equal the original's on every rank."""
     for rank, diffs in enumerate(launch(6, _on_six, timeout=300)):
-        assert len(diffs) == 8 and max(diffs.values()) < 1e-4, (rank, diffs)
+        assert len(diffs) == 9 and max(diffs.values()) < 1e-4, (rank, diffs)
 
 
 def _on_gloo(rank: int) -> dict:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tpcompile
-from tpcompile.placement import Shard, pad_cuts
+from tpcompile.placement import Shard, pad_cuts, rank_pieces
 from tpcompile.report.plan_table import split_text
 from tpcompile.sharding_rules.shape import reshape_placement
 
@@ -180,7 +180,9 @@ def test_fused_projection_pads_each_segment_by_whole_heads(ws: int, heads: int, 
     assert not warned, [str(w.message) for w in warned]
     p = sm.plan.parameters["qkv.weight"]
     assert (p.role, p.padded, p.local_shape) == ("column", pads, (local, 40))
-    assert split_text(p).endswith(")") and f"padded {'+'.join(map(str, pads))}" in split_text(p)
+    held = [sum(n for _, _, n in rank_pieces(p.slice(), sum(p.segments), r, ws)) for r in range(ws)]
+    assert split_text(p).endswith(f"({'|'.join(map(str, held))}) heads {'|'.join(str(h // 8) for h in held)}")
+    assert f"padded {'+'.join(map(str, pads))}" in split_text(p)
     assert sorted(op for op, _ in sm.collectives()) == ["all_reduce"]
     _exact(model, sm, torch.randn(3, 11, 40), torch.randn(2, 9, 40))
 

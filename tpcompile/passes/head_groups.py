@@ -48,17 +48,17 @@ _WALK = 64  # nodes visited back from an attention input before giving up
 _SCORES = 12  # nodes followed from the scores q @ k^T to the product with v
 
 
-def attentions(gm: GraphModule) -> list[tuple[Node, Node, Node]]:
-    """(q, k, v) of each attention: the inputs of scaled_dot_product_attention, or of one written out: q @ k^T
-    (k transposed in its last two dims), the scores through a softmax, a mask, a scale or a cast, @ v."""
+def attentions(gm: GraphModule) -> list[tuple[Node, Node, Node, Node]]:
+    """(output, q, k, v) of each attention: scaled_dot_product_attention, or one written out: q @ k^T (k transposed
+    in its last two dims), the scores through a softmax, a mask, a scale or a cast, @ v."""
     out = []
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in SDPA and len(node.args) >= 3:
-            out.append(tuple(node.args[:3]))
+            out.append((node, *node.args[:3]))
         elif node.op == "call_function" and node.target in _MATMUL and _transposed(node.args[1]):
-            v = _values(node)
-            if v is not None:
-                out.append((node.args[0], node.args[1].args[0], v))
+            product = _values(node)
+            if product is not None:
+                out.append((product, node.args[0], node.args[1].args[0], product.args[1]))
     return [t for t in out if all(isinstance(a, Node) for a in t)]
 
 
@@ -71,7 +71,7 @@ def _transposed(n: object) -> bool:
 
 
 def _values(scores: Node) -> Optional[Node]:
-    """The v that the scores, softmaxed, multiply: the second operand of the first matmul they reach (one tensor
+    """The product of the scores, softmaxed, with v: the first matmul they reach as its first operand (one tensor
     user a step: checks of the metadata and sizes read aside), past a softmax."""
     n, softmaxed = scores, False
     for _ in range(_SCORES):
@@ -81,14 +81,36 @@ def _values(scores: Node) -> Optional[Node]:
         n = users[0]
         softmaxed = softmaxed or "softmax" in str(n.target)
         if n.target in _MATMUL:
-            return n.args[1] if softmaxed and n.args[0] is not scores else None
+            return n if softmaxed and n.args[0] is not scores else None
     return None
+
+
+def _gates(out: Node, width: int, found: list, ctx: PassContext) -> list[Node]:
+    """The projections whose output of `width` features multiplies the attention's output, its heads merged back
+    (through views, transposes and elementwise ops: AFMoE's, Dory's sigmoid gate): split as the query heads are."""
+    gates, todo, seen = [], [out], set()
+    while todo and len(seen) < _SCORES:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            spec = u.meta.get("tp_rule")
+            if spec is None or spec.rule not in ("reshape", "transpose", "pointwise"):
+                continue
+            todo.append(u)
+            for i in u.all_input_nodes if spec.rule == "pointwise" else ():
+                proj = projection(i, ctx) if i is not n else None
+                if proj is not None and proj not in found and proj not in gates \
+                        and int(proj.meta["val"].shape[-1]) == width:
+                    gates.append(proj)
+    return gates
 
 
 def mark_head_groups(gm: GraphModule, ctx: PassContext) -> None:
     """Set `unit` on the query projection of each grouped-query attention best split by whole groups."""
     ws = ctx.world_size
-    for q_arg, k_arg, v_arg in attentions(gm):
+    for out, q_arg, k_arg, v_arg in attentions(gm):
         found = [projection(a, ctx) for a in (q_arg, k_arg, v_arg)]
         q_val = q_arg.meta.get("val")
         if any(f is None for f in found) or q_val is None:
@@ -113,14 +135,15 @@ def mark_head_groups(gm: GraphModule, ctx: PassContext) -> None:
         groups = 2 * -(-kv // ws) * rep + 2 * -(-kv // ws)  # q and o heads, k and v heads: padded groups
         replicated = 2 * -(-heads // ws) + 2 * kv  # q and o split by heads, k and v whole
         units = (rep * hd, hd, hd) if groups <= replicated else None  # q by whole groups; k and v padded by heads
+        gates = _gates(out, q, found, ctx) if units else []  # padded by whole groups as the query heads are
         if ws % kv == 0 and (not fused or kv > 1):  # kv heads in pieces, each group's query heads cut among its ranks
-            _split_groups(found, (k_arg, v_arg), kv, ws // kv, hd, ctx, units, fused)
+            _split_groups(found, (k_arg, v_arg), kv, ws // kv, hd, ctx, units, fused, gates)
         elif units:
-            _set_units(found, fused, units)
+            _set_units(found, fused, units, gates)
 
 
 def _split_groups(found: list, kv_args: tuple, kv: int, share: int, hd: int, ctx: PassContext,
-                  units: Optional[tuple], fused: bool) -> None:
+                  units: Optional[tuple], fused: bool, gates: list) -> None:
     """Each kv head in a piece of its own (held by `share` ranks), its group of query heads split among those ranks
     and zero-padded to a multiple of them (sharding_rules/group_cuts.py), the kv repeats between the key and
     value projections and the attention padded alike (`pad_within`). A fused q|k|v projection gets it all in one
@@ -136,7 +159,7 @@ def _split_groups(found: list, kv_args: tuple, kv: int, share: int, hd: int, ctx
     for n in repeats:
         _add(n, pad_within=True)
     for proj in found:
-        ctx.group_cuts[proj] = (tuple(found), tuple(repeats), units, fused)
+        ctx.group_cuts[proj] = (tuple(found), tuple(repeats), units, fused, tuple(gates))
 
 
 def give_up_group_cuts(blamed: set, ctx: PassContext) -> set:
@@ -147,7 +170,7 @@ def give_up_group_cuts(blamed: set, ctx: PassContext) -> set:
     for o in blamed & set(ctx.group_cuts):
         if o not in ctx.group_cuts:  # given up with another projection of its attention
             continue
-        found, repeats, units, fused = ctx.group_cuts[o]
+        found, repeats, units, fused, gates = ctx.group_cuts[o]
         for n in (*found, *repeats):
             spec = n.meta["tp_rule"]
             n.meta["tp_rule"] = RuleSpec(spec.rule, {a: b for a, b in spec.args.items()
@@ -155,7 +178,7 @@ def give_up_group_cuts(blamed: set, ctx: PassContext) -> set:
             ctx.pieces.pop(n, None)
             ctx.group_cuts.pop(n, None)
         if units:
-            _set_units(list(found), fused, units)
+            _set_units(list(found), fused, units, gates)
         undone |= set(found)
     return undone
 
@@ -177,9 +200,11 @@ def _between(arg: Node, proj: Node) -> list[Node]:
     return list(seen)
 
 
-def _set_units(found: list, fused: bool, units: tuple) -> None:
-    """The query, key and value projections' units (of the fused projection, one per segment)."""
-    for proj, unit in zip(found[:1] if fused else found, (units,) if fused else units):
+def _set_units(found: list, fused: bool, units: tuple, gates: tuple = ()) -> None:
+    """The query, key and value projections' units (of the fused projection, one per segment); a gate of the
+    merged heads gets the query's."""
+    for proj, unit in [*zip(found[:1] if fused else found, (units,) if fused else units),
+                       *((g, units[0]) for g in gates)]:
         spec = proj.meta["tp_rule"]
         proj.meta["tp_rule"] = RuleSpec(spec.rule, {**spec.args, "unit": unit})
 

@@ -26,8 +26,9 @@ class PassContext:
     # seeds whose heads, fewer than the ranks, go one to a rank, zero-padded, not in pieces shared by ranks (a row
     # split reads them: it would count a shared piece once per rank holding it)
     unpieced: set[Node] = field(default_factory=set)
-    # query, key and value projection -> (the three, the kv repeats, the whole groups to fall back on): a kv group's
-    # query heads cut among the ranks sharing its kv head (passes/head_groups.py), until propagation blames them
+    # query, key and value projection -> (the three, the kv repeats, the whole groups to fall back on, fused, the
+    # gates of the merged heads): a kv group's query heads cut among the ranks sharing its kv head
+    # (passes/head_groups.py), until propagation blames them
     group_cuts: dict[Node, tuple] = field(default_factory=dict)
     param_slices: dict[str, Optional[ParamSlice]] = field(default_factory=dict)
     param_seeds: dict[str, frozenset] = field(default_factory=dict)  # split parameter -> the seeds that cut it
