@@ -381,11 +381,11 @@ def test_gate_of_heads_split_by_whole_groups_takes_their_unit(ws: int) -> None:
     assert sorted(op for op, _ in sm.collectives()) == ["all_gather", "all_gather", "all_reduce"]
 
 
-def _on_six(rank: int) -> dict:
-    """On one of 6 gloo processes: the models whose heads are fewer than the ranks, output against the original's."""
+def _parallel_diffs(classes: tuple) -> dict:
+    """Per model class: tpcompile.parallelize on this process's group (the startup agreement compares the ranks'
+    schedules), the largest difference of its output from the original's on another batch and length."""
     out = {}
-    for cls in (PairedHeads, SlotHeads, RowsPerHead, GatedAttention, GroupSubNorm, EagerGroupAttention,
-                GroupPadTokens, GroupedKeyHeads, GatedGroupAttention):
+    for cls in classes:
         torch.manual_seed(0)
         model = cls()
         gm = tpcompile.parallelize(model, example_inputs=(torch.randn(2, 5, 32),))
@@ -393,6 +393,12 @@ def _on_six(rank: int) -> dict:
         with torch.no_grad():
             out[cls.__name__] = float((gm(x) - model(x)).abs().max())
     return out
+
+
+def _on_six(rank: int) -> dict:
+    """On one of 6 gloo processes: the models whose heads are fewer than the ranks, output against the original's."""
+    return _parallel_diffs((PairedHeads, SlotHeads, RowsPerHead, GatedAttention, GroupSubNorm, EagerGroupAttention,
+                            GroupPadTokens, GroupedKeyHeads, GatedGroupAttention))
 
 
 @pytest.mark.gloo
@@ -405,20 +411,12 @@ def test_heads_fewer_than_ranks_on_six_processes() -> None:
 
 
 def _on_gloo(rank: int) -> dict:
-    """On one of 3 gloo processes: each model above parallelized (the startup agreement compares the ranks'
-    schedules), its output against the original's; and SGD steps of the LayerNorm'd MLP and the
-    differential attention against one process's."""
-    out = {}
-    for cls in (NormedMLP, SubNormAttention, GatedAttention, GateViewAs, RowsPerHead, AlibiAttention, StackedGateMLP,
-                ShortConv, PaddedTokens, ConvLinearAttention, GatedHeadNorm, InterleavedGLU, SparseActivationMLP,
-                GateTimesWhole, LogitStats, DiffAttention, PairedHeads, WholeInputConvHeads, Recurrent, ExpertHeads,
-    SlotHeads):
-        torch.manual_seed(0)
-        model = cls()
-        gm = tpcompile.parallelize(model, example_inputs=(torch.randn(2, 5, 32),))
-        x = torch.randn(3, 7, 32, generator=torch.Generator().manual_seed(1))
-        with torch.no_grad():
-            out[cls.__name__] = float((gm(x) - model(x)).abs().max())
+    """On one of 3 gloo processes: each model above parallelized, its output against the original's; and SGD steps of
+    the LayerNorm'd MLP and the differential attention against one process's."""
+    out = _parallel_diffs((NormedMLP, SubNormAttention, GatedAttention, GateViewAs, RowsPerHead, AlibiAttention,
+                           StackedGateMLP, ShortConv, PaddedTokens, ConvLinearAttention, GatedHeadNorm, InterleavedGLU,
+                           SparseActivationMLP, GateTimesWhole, LogitStats, DiffAttention, PairedHeads,
+                           WholeInputConvHeads, Recurrent, ExpertHeads, SlotHeads))
     torch.manual_seed(0)
     model = EmbeddingPlusProjection()
     gm = tpcompile.parallelize(model, example_inputs=(torch.randint(0, 64, (2, 5)),))
