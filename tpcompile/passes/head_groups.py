@@ -46,6 +46,7 @@ _MATMUL = (torch.ops.aten.matmul.default,)
 _TRANSPOSE = (torch.ops.aten.transpose.int,)
 _WALK = 64  # nodes visited back from an attention input before giving up
 _SCORES = 12  # nodes followed from the scores q @ k^T to the product with v
+_GATE_WALK = 12  # nodes followed from an attention's output to a gate of its merged heads
 
 
 def attentions(gm: GraphModule) -> list[tuple[Node, Node, Node, Node]]:
@@ -89,7 +90,7 @@ def _gates(out: Node, width: int, found: list, ctx: PassContext) -> list[Node]:
     """The projections whose output of `width` features multiplies the attention's output, its heads merged back
     (through views, transposes and elementwise ops: AFMoE's, Dory's sigmoid gate): split as the query heads are."""
     gates, todo, seen = [], [out], set()
-    while todo and len(seen) < _SCORES:
+    while todo and len(seen) < _GATE_WALK:
         n = todo.pop()
         if n in seen:
             continue

@@ -127,7 +127,7 @@ def _splittable(p: Any, world_size: int) -> bool:
     """A split whose ranks hold equal, distinct, unpadded parts (what partial statistics add up): no zeros past a
     rank's own cut, no segment in pieces shared by ranks (a fused q|k|v's kv heads fewer than the ranks)."""
     return isinstance(p, Shard) and p.padding is None and p.pieces is None and p.split_next is None \
-        and (p.cuts is None or not p.rank_cuts and all(len(c) - 1 == world_size for c in p.cuts))
+        and (p.cuts is None or not p.rank_cuts and dim_layout(p, None, world_size).distinct)
 
 
 def reduced_dims(node: Node, spec: RuleSpec, nd: int) -> list[int]:
