@@ -1,0 +1,107 @@
+"""Grouped-query attention and its neighbours whose kv heads, or key heads, are fewer than the ranks of
+tests/test_more_ranks_than_heads.py: each kv group's query heads cut among the ranks sharing its kv head, or the
+groups one to a rank, zero-padded; each one case of what meets them (a reduction, attention written out, a padding of
+the tokens, a repeat_interleave, a gate).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class GroupSubNorm(torch.nn.Module):
+    """Grouped-query attention, 4 query heads of 8 over 2 kv heads (repeated as transformers' repeat_kv does:
+    expand, reshape), its merged heads reduced over before the output projection (`reduce`: an RMS written out,
+    BitNet's sub-norm; a sum, a max, a vector norm, a variance): at 6 and 8 ranks each kv group's heads are cut among
+    the ranks sharing its kv head, zeros past them."""
+
+    def __init__(self, reduce: str = "mean") -> None:
+        super().__init__()
+        self.reduce = reduce
+        self.q, self.k, self.v = torch.nn.Linear(32, 32), torch.nn.Linear(32, 16), torch.nn.Linear(32, 16)
+        self.o = torch.nn.Linear(32, 32)
+        self.scale = torch.nn.Parameter(torch.rand(32) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, 4, 8).transpose(1, 2)
+        k, v = (p(x).view(b, t, 2, 8).transpose(1, 2)[:, :, None].expand(b, 2, 2, t, 8).reshape(b, 4, t, 8)
+                for p in (self.k, self.v))
+        h = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, 32)
+        stat = {"mean": lambda: torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6),
+                "sum": lambda: 1 + h.sum(-1, keepdim=True) / 32, "amax": lambda: 1 + h.amax(-1, keepdim=True).abs(),
+                "norm": lambda: 1 / h.norm(dim=-1, keepdim=True), "var": lambda: 1 + h.var(-1, keepdim=True)}
+        return self.o(h * stat[self.reduce]() * self.scale)
+
+
+class EagerGroupAttention(torch.nn.Module):
+    """Grouped-query attention written out (Gemma-2's eager path): 4 query heads of 8 over 2 kv heads repeated as
+    repeat_kv does, q @ k^T scaled and soft-capped (tanh), a causal mask added, a softmax, then @ v."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = torch.nn.Linear(32, 32), torch.nn.Linear(32, 16), torch.nn.Linear(32, 16)
+        self.o = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, 4, 8).transpose(1, 2)
+        k, v = (p(x).view(b, t, 2, 8).transpose(1, 2)[:, :, None].expand(b, 2, 2, t, 8).reshape(b, 4, t, 8)
+                for p in (self.k, self.v))
+        scores = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * 8 ** -0.5 / 20) * 20
+        mask = torch.full((t, t), float("-inf")).triu(1)
+        a = torch.matmul((scores + mask).softmax(-1), v)
+        return self.o(a.transpose(1, 2).reshape(b, t, 32))
+
+
+class GroupPadTokens(torch.nn.Module):
+    """Mamba-2's B: one group of 8 projected for every head (repeated for the 4 heads of 8, repeat_interleave),
+    both padded along the tokens to a multiple of a chunk of 4 (F.pad), multiplied and summed over the tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.x, self.b, self.o = torch.nn.Linear(32, 32), torch.nn.Linear(32, 8), torch.nn.Linear(32, 32)
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        b, t, _ = inp.shape
+        x = self.x(inp).view(b, t, 4, 8)
+        g = self.b(inp).view(b, t, 1, 8).repeat_interleave(4, dim=2)
+        x, g = (F.pad(z, (0, 0, 0, 0, 0, -t % 4)) for z in (x, g))
+        return self.o((x * g).cumsum(1)[:, :t].reshape(b, t, 32))
+
+
+class GroupedKeyHeads(torch.nn.Module):
+    """Qwen3-Next's linear attention projection: one projection laid out by key head, each of the 2 groups holding
+    its query and key head (8 each) and its 2 value heads (16); the query and key heads repeated for the value heads
+    (repeat_interleave), a gate per head from q . k, times the values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.o = torch.nn.Linear(32, 64), torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 2, 32).split([8, 8, 16], dim=-1)
+        q, k = (z.repeat_interleave(2, dim=2) for z in (q, k))
+        gate = torch.sigmoid((q * k).sum(-1, keepdim=True))
+        return self.o((gate * v.reshape(b, t, 4, 8)).reshape(b, t, 32))
+
+
+class GatedGroupAttention(torch.nn.Module):
+    """Grouped-query attention, 4 query heads of 8 over 2 kv heads, query and key normalised per head (RMS over the
+    whole projection, Dory's and OLMoE's norms, which read no kv heads in pieces), its merged heads gated by a
+    sigmoid of a projection of the input before the output projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = torch.nn.Linear(32, 32), torch.nn.Linear(32, 16), torch.nn.Linear(32, 16)
+        self.gate, self.o = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = F.rms_norm(self.q(x), (32,)).view(b, t, 4, 8).transpose(1, 2)
+        k = F.rms_norm(self.k(x), (16,)).view(b, t, 2, 8).transpose(1, 2)
+        v = self.v(x).view(b, t, 2, 8).transpose(1, 2)
+        k, v = (z[:, :, None].expand(b, 2, 2, t, 8).reshape(b, 4, t, 8) for z in (k, v))
+        h = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, 32)
+        return self.o(h * torch.sigmoid(self.gate(x)))

@@ -1,0 +1,117 @@
+"""More ranks than heads (4 at 6 or 8 ranks) or kv heads (2 at 6 or 8): heads in pieces shared by ranks go one to a
+rank when what reads them needs it, a kv group's query heads cut among the ranks sharing its kv head meet reductions,
+and attention written out, a gate or a padding of the tokens meet grouped heads (tests/padded_models.py,
+tests/group_models.py).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpcompile.runtime import launch
+
+from group_models import EagerGroupAttention, GatedGroupAttention, GroupedKeyHeads, GroupPadTokens, GroupSubNorm
+from padded_checks import equal, parallel_diffs, shard, split
+from padded_models import (AlibiAttention, GatedAttention, GatedHeadNorm, GateViewAs, PairedHeads, RowsPerHead,
+                           SlotHeads)
+
+
+FEWER_HEADS = [(RowsPerHead, 8), (AlibiAttention, 8), (GatedAttention, 8), (GatedHeadNorm, 8), (GateViewAs, 8),
+               (PairedHeads, 6), (SlotHeads, 6), (SlotHeads, 8)]
+
+
+@pytest.mark.parametrize("make,ws", FEWER_HEADS, ids=[f"{m.__name__}-{ws}" for m, ws in FEWER_HEADS])
+def test_heads_fewer_than_ranks_go_one_to_a_rank(make: type, ws: int) -> None:
+    """Fewer heads than ranks (4 at 8, 2 at 6, 3 pairs x heads at 6) start in pieces each shared by several ranks;
+    a row split reading them (it would count a piece once per rank holding it), a gate padded by heads, a reshape
+    as a padded value, a repeat along the heads and an attention whose keys go one to a rank each ask for them one
+    to a rank, zero-padded, instead of replicating: no warning, every parameter split at 2 ranks split here too,
+    none in shared pieces, outputs equal."""
+    torch.manual_seed(0)
+    model = make()
+    sm, warned = shard(model, ws)
+    assert warned == []
+    split = {n for n, p in shard(make(), 2)[0].plan.parameters.items() if p.dim is not None}
+    plans = sm.plan.parameters
+    assert split and {n for n, p in plans.items() if p.dim is not None} == split
+    assert all(p.pieces is None and p.seg_pieces is None for p in plans.values()), plans
+    equal(model, sm)
+
+
+@pytest.mark.parametrize("ws", [6, 8])
+@pytest.mark.parametrize("reduce", ["mean", "sum", "amax", "norm", "var"])
+def test_reductions_over_kv_groups_cut_among_ranks(reduce: str, ws: int) -> None:
+    """2 kv heads at 6 and 8 ranks: each group's 2 query heads cut among the 3 or 4 ranks sharing its kv head, the
+    last ranks holding zeros (an attention of zero query heads over the real keys is not zero). A mean or sum over
+    the merged heads zeroes that padding and scales by the real size (it divided by the world size: wrong by 8%
+    at 6 ranks, without a word); a max, a norm or a variance, which cannot be merged so, takes the whole groups
+    zero-padded instead. No warning, equal; the mean and sum keep the cut (a quarter of q's rows at 8 ranks)."""
+    torch.manual_seed(0)
+    model = GroupSubNorm(reduce)
+    sm, warned = shard(model, ws)
+    assert warned == []
+    equal(model, sm)
+    if reduce in ("mean", "sum"):
+        assert sm.plan.parameters["q.weight"].local_shape == (8, 32)
+        assert sm.plan.parameters["q.weight"].cuts is not None
+
+
+@pytest.mark.parametrize("ws", [3, 6, 8])
+def test_attention_written_out_is_split_by_kv_groups(ws: int) -> None:
+    """Grouped-query attention written out (q @ k^T soft-capped, a mask, a softmax, @ v; Gemma-2's eager path) with
+    2 kv heads at 3, 6 and 8 ranks is found as an attention, as scaled_dot_product_attention is: its query heads
+    split by kv group (q and o hold a quarter of their rows at 6 and 8 ranks, a half at 3), no warning (at 6 and 8
+    the projections were replicated), equal."""
+    torch.manual_seed(0)
+    model = EagerGroupAttention()
+    sm = split(model, ws, column=("q.weight", "k.weight", "v.weight"), row=("o.weight",), one_all_reduce=True)
+    assert sm.plan.parameters["q.weight"].local_shape == ((16, 32) if ws == 3 else (8, 32))
+
+
+@pytest.mark.parametrize("ws", [2, 4, 5, 6])
+def test_padding_the_tokens_of_one_group_whole_on_every_rank(ws: int) -> None:
+    """Mamba-2's one group of B, whole on every rank and repeated for 4 heads, padded along the tokens (F.pad, a
+    row of the op table: `layout_ops.pad`): the padding touches no split dim and keeps the layout; at 5 and 6 ranks,
+    more than the 4 heads, DTensor's strategy replicated it (a dim of fewer entries than ranks) and with it the
+    group's projection, with a warning."""
+    torch.manual_seed(0)
+    split(GroupPadTokens(), ws, column=("x.weight", "b.weight"), row=("o.weight",), one_all_reduce=True)
+
+
+@pytest.mark.parametrize("ws", [6, 8])
+def test_key_heads_repeated_for_value_heads_go_one_to_a_rank(ws: int) -> None:
+    """2 key-head groups (query and key head, 2 value heads each) at 6 and 8 ranks: in 2 pieces each shared by 3
+    or 4 ranks, the query and key heads repeated twice cannot give each sharing rank its own; the groups go one to
+    a rank, zero-padded, instead (the projection was replicated with a warning): the largest rank holds one group,
+    as a split balanced by groups does."""
+    torch.manual_seed(0)
+    sm = split(GroupedKeyHeads(), ws, column=("qkv.weight",), row=("o.weight",), one_all_reduce=True)
+    assert sm.plan.parameters["qkv.weight"].local_shape == (32, 32)
+
+
+@pytest.mark.parametrize("ws", [6, 8])
+def test_gate_of_heads_split_by_whole_groups_takes_their_unit(ws: int) -> None:
+    """2 kv heads at 6 and 8 ranks, q and k normalised over their whole projections (no kv heads in pieces): the
+    query heads go by whole kv groups, 2 heads a rank, and so does the sigmoid gate multiplying the merged heads
+    (padded by one head it met them laid out otherwise, and everything was replicated with a warning). The two
+    norms' statistics are gathered, the output projection all-reduced."""
+    torch.manual_seed(0)
+    sm = split(GatedGroupAttention(), ws, column=("q.weight", "k.weight", "v.weight", "gate.weight"),
+                row=("o.weight",))
+    assert sm.plan.parameters["gate.weight"].local_shape == sm.plan.parameters["q.weight"].local_shape == (16, 32)
+    assert sorted(op for op, _ in sm.collectives()) == ["all_gather", "all_gather", "all_reduce"]
+
+
+def _on_six(rank: int) -> dict:
+    """On one of 6 gloo processes: the models whose heads are fewer than the ranks, output against the original's."""
+    return parallel_diffs((PairedHeads, SlotHeads, RowsPerHead, GatedAttention, GroupSubNorm, EagerGroupAttention,
+                            GroupPadTokens, GroupedKeyHeads, GatedGroupAttention))
+
+
+@pytest.mark.gloo
+def test_heads_fewer_than_ranks_on_six_processes() -> None:
+    """tpcompile.parallelize on 6 gloo processes for models with 2, 3 and 4 heads (one to a rank, zero-padded) and
+    for 2 kv groups each cut among 3 ranks (a mean over their merged heads; attention written out), and one group
+    whole on every rank padded along the tokens: outputs equal the original's on every rank."""
+    for rank, diffs in enumerate(launch(6, _on_six, timeout=300)):
+        assert len(diffs) == 9 and max(diffs.values()) < 1e-4, (rank, diffs)
