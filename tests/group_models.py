@@ -105,3 +105,47 @@ class GatedGroupAttention(torch.nn.Module):
         k, v = (z[:, :, None].expand(b, 2, 2, t, 8).reshape(b, 4, t, 8) for z in (k, v))
         h = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, 32)
         return self.o(h * torch.sigmoid(self.gate(x)))
+
+
+class KeyRepeatLinearAttention(torch.nn.Module):
+    """A linear attention read as Qwen3.5's gated delta rule reads its heads: 2 query and 2 key heads (8 each) and 4
+    value heads (8 each), the query and key heads repeated for the value heads (repeat_interleave); per value head a
+    step size (a sigmoid of a projection) and a decay (a parameter times a softplus of a projection); causal scores
+    decayed between tokens; the first token's values written into a temporary in place; normalised per head with the
+    heads folded into the rows and gated by a projection before the output projection. `layout`: q | k | v from one
+    projection through a short depthwise convolution (Qwen3.5), from three joined for it (cat, OLMo-Hybrid), or from
+    three apart."""
+
+    def __init__(self, layout: str = "fused") -> None:
+        super().__init__()
+        self.layout = layout
+        if layout == "fused":
+            self.qkv = torch.nn.Linear(32, 64, bias=False)
+        else:
+            self.q, self.k, self.v = (torch.nn.Linear(32, n, bias=False) for n in (16, 16, 32))
+        if layout != "apart":
+            self.conv = torch.nn.Conv1d(64, 64, 3, groups=64, padding=2, bias=False)
+        self.beta, self.decay = torch.nn.Linear(32, 4), torch.nn.Linear(32, 4)
+        self.a_log = torch.nn.Parameter(torch.rand(4) - 0.5)
+        self.z, self.o = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+        self.norm = torch.nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        if self.layout == "apart":
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        else:
+            qkv = self.qkv(x) if self.layout == "fused" else torch.cat([self.q(x), self.k(x), self.v(x)], -1)
+            q, k, v = F.silu(self.conv(qkv.transpose(1, 2))[..., :t]).transpose(1, 2).split([16, 16, 32], -1)
+        q, k = (F.normalize(z.view(b, t, 2, 8), dim=-1).repeat_interleave(2, dim=2).transpose(1, 2) for z in (q, k))
+        v = v.view(b, t, 4, 8).transpose(1, 2)
+        step = torch.sigmoid(self.beta(x)).transpose(1, 2)[..., None]
+        g = (-self.a_log.exp() * F.softplus(self.decay(x))).transpose(1, 2).cumsum(-1)
+        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        scores = (q @ k.transpose(-1, -2)) * (g[..., :, None] - g[..., None, :]).masked_fill(~mask, -1e9).exp()
+        y = scores @ (v * step)
+        first = torch.zeros_like(y)
+        first[:, :, :1] = v[:, :, :1]
+        y = (y + first).transpose(1, 2).reshape(-1, 8)
+        y = F.rms_norm(y, (8,)) * self.norm * F.silu(self.z(x).reshape(-1, 8))
+        return self.o(y.reshape(b, t, 32))

@@ -1,6 +1,7 @@
 """More ranks than heads (4 at 6 or 8 ranks) or kv heads (2 at 6 or 8): heads in pieces shared by ranks go one to a
 rank when what reads them needs it, a kv group's query heads cut among the ranks sharing its kv head meet reductions,
-and attention written out, a gate or a padding of the tokens meet grouped heads (tests/padded_models.py,
+and attention written out, a gate or a padding of the tokens meet grouped heads; a linear attention's value heads
+cut among the ranks sharing their repeated key head (tests/padded_models.py,
 tests/group_models.py).
 """
 from __future__ import annotations
@@ -10,7 +11,8 @@ import torch
 
 from tpcompile.runtime import launch
 
-from group_models import EagerGroupAttention, GatedGroupAttention, GroupedKeyHeads, GroupPadTokens, GroupSubNorm
+from group_models import (EagerGroupAttention, GatedGroupAttention, GroupedKeyHeads, GroupPadTokens, GroupSubNorm,
+                          KeyRepeatLinearAttention)
 from padded_checks import equal, parallel_diffs, shard, split
 from padded_models import (AlibiAttention, GatedAttention, GatedHeadNorm, GateViewAs, PairedHeads, RowsPerHead,
                            SlotHeads)
@@ -102,16 +104,36 @@ def test_gate_of_heads_split_by_whole_groups_takes_their_unit(ws: int) -> None:
     assert sorted(op for op, _ in sm.collectives()) == ["all_gather", "all_gather", "all_reduce"]
 
 
+@pytest.mark.parametrize("ws", [6, 8])
+@pytest.mark.parametrize("layout", ["fused", "joined", "apart"])
+def test_key_heads_repeated_cut_their_value_heads_among_the_ranks_sharing_them(layout: str, ws: int) -> None:
+    """A linear attention (Qwen3.5's, OLMo-Hybrid's gated delta rule) whose 2 query and key heads are repeated for
+    4 value heads, at 6 and 8 ranks: each key head in a piece held by the 3 or 4 ranks sharing it, its 2 value heads
+    cut among them (one a rank, zeros past them), and so the step size's, the decay's and the gate's projections, one
+    head a rank; the repeats give each rank its share. The projections were replicated with a warning (the repeated
+    keys went one group to a rank, the value heads one head to a rank: laid out differently)."""
+    torch.manual_seed(0)
+    model = KeyRepeatLinearAttention(layout)
+    qkv = ("qkv.weight",) if layout == "fused" else ("q.weight", "k.weight", "v.weight")
+    sm = split(model, ws, column=(*qkv, "beta.weight", "decay.weight", "z.weight"), row=("o.weight",),
+               one_all_reduce=True)
+    plans = sm.plan.parameters
+    assert plans["z.weight"].local_shape == (8, 32) and plans["beta.weight"].local_shape == (1, 32)
+    assert plans["z.weight"].cuts is not None and plans[qkv[-1]].cuts is not None
+    assert all(plans[n].local_shape == ((24, 32) if layout == "fused" else (8, 32)) for n in qkv)
+
+
 def _on_six(rank: int) -> dict:
     """On one of 6 gloo processes: the models whose heads are fewer than the ranks, output against the original's."""
     return parallel_diffs((PairedHeads, SlotHeads, RowsPerHead, GatedAttention, GroupSubNorm, EagerGroupAttention,
-                            GroupPadTokens, GroupedKeyHeads, GatedGroupAttention))
+                            GroupPadTokens, GroupedKeyHeads, GatedGroupAttention, KeyRepeatLinearAttention))
 
 
 @pytest.mark.gloo
 def test_heads_fewer_than_ranks_on_six_processes() -> None:
     """tpcompile.parallelize on 6 gloo processes for models with 2, 3 and 4 heads (one to a rank, zero-padded) and
-    for 2 kv groups each cut among 3 ranks (a mean over their merged heads; attention written out), and one group
-    whole on every rank padded along the tokens: outputs equal the original's on every rank."""
+    for 2 kv groups each cut among 3 ranks (a mean over their merged heads; attention written out; a linear
+    attention's value heads), and one group whole on every rank padded along the tokens: outputs equal the
+    original's on every rank."""
     for rank, diffs in enumerate(launch(6, _on_six, timeout=300)):
-        assert len(diffs) == 9 and max(diffs.values()) < 1e-4, (rank, diffs)
+        assert len(diffs) == 10 and max(diffs.values()) < 1e-4, (rank, diffs)

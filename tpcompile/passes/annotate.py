@@ -12,6 +12,7 @@ from tpcompile.passes.feature_walk import (POINTWISE, channel_heads, heads_throu
 from tpcompile.passes.head_groups import mark_head_groups
 from tpcompile.passes.head_runs import align_head_runs
 from tpcompile.passes.head_parts import head_parts, split_along
+from tpcompile.passes.head_repeats import mark_head_repeats
 from tpcompile.passes.param_pieces import mark_pieces
 from tpcompile.passes.pass_context import PassContext, module_path, owner_path
 from tpcompile.passes.size_equalities import record_size_equalities
@@ -55,6 +56,7 @@ def annotate_pass(gm: GraphModule, ctx: PassContext) -> GraphModule:
     mark_kept_whole(gm, ctx)
     align_head_runs(gm, ctx)  # projections an attention reads cut into the same runs of heads
     mark_head_groups(gm, ctx)  # grouped-query attention best split by whole groups of query heads
+    mark_head_repeats(gm, ctx)  # heads repeated for other heads (linear attention), fewer than the ranks
     return gm
 
 

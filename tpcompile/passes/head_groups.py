@@ -175,7 +175,7 @@ def give_up_group_cuts(blamed: set, ctx: PassContext) -> set:
         for n in (*found, *repeats):
             spec = n.meta["tp_rule"]
             n.meta["tp_rule"] = RuleSpec(spec.rule, {a: b for a, b in spec.args.items()
-                                                     if a not in ("kv_groups", "pad_within")})
+                                                     if a not in ("kv_groups", "pad_within", "grouped")})
             ctx.pieces.pop(n, None)
             ctx.group_cuts.pop(n, None)
         if units:
@@ -221,14 +221,14 @@ def projection(arg: object, ctx: PassContext) -> Optional[Node]:
             continue
         seen.add(n)
         spec = n.meta.get("tp_rule")
-        if spec is not None and spec.rule == "weight_matmul" and _has_weight(n, spec, ctx):
+        if spec is not None and spec.rule == "weight_matmul" and has_weight(n, spec, ctx):
             found.append(n)
             continue
         todo.extend(n.all_input_nodes)
     return found[0] if len(found) == 1 else None
 
 
-def _has_weight(node: Node, spec: RuleSpec, ctx: PassContext) -> bool:
+def has_weight(node: Node, spec: RuleSpec, ctx: PassContext) -> bool:
     i = spec.get("weight")
     w, _ = weight_view(node.args[i]) if i is not None and i < len(node.args) else (None, False)
     t = ctx.tensors.get(w.target) if w is not None else None

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 from tpcompile.layouts import dim_layout
 from tpcompile.placement import Cuts, Shard
-from tpcompile.sharding_rules.rule_context import Size, prod
+from tpcompile.sharding_rules.rule_context import Size, prod, sizes_equal
 
 
 def group_cuts(groups: int, size: int, unit: int, share: int, world_size: int) -> Cuts:
@@ -47,11 +47,27 @@ def cuts_reshape(p: Shard, gi: list, gj: list, ins: Sequence[Size], outs: Sequen
                 and all(c % inner == 0 for cut in p.cuts for c in cut):
             return _scaled(replace(p, dim=gj[0]), 1, inner), ""
         return None, why
-    if gi[0] == p.dim and len(gj) == 1:  # merged with the dims after it
+    if gi[0] == p.dim and len(gj) == 1 and p.outer is None:  # merged with the dims after it
         inner = prod([ins[d] for d in gi[1:]])
         if isinstance(inner, int):
             return _scaled(replace(p, dim=gj[0]), inner, 1), ""
+    if p.outer is None and gi[-1] == p.dim and len(gi) > 1:  # folded with the dims before it, (B, T, h, d) ->
+        inner, count = prod([outs[d] for d in gj[1:]]), prod([ins[d] for d in gi[:-1]])  # (B*T*h, d), its
+        if isinstance(inner, int) and all(s % inner == 0 for s in p.segments) \
+                and all(c % inner == 0 for cut in p.cuts for c in cut) \
+                and sizes_equal(outs[gj[0]], count * (sum(p.segments) // inner)):  # entries split off: (B, T, h*d)
+            return _scaled(replace(p, dim=gj[0], outer=count), 1, inner), ""
+    if p.outer is not None and gi[0] == p.dim and len(gj) > 1:  # unfolded, merged with the dims after it:
+        inner = prod([ins[d] for d in gi[1:]])  # (B*T*h, d) -> (B, T, h*d)
+        if isinstance(inner, int) and sizes_equal(outs[gj[-1]], sum(p.segments) * inner) \
+                and sizes_equal(prod([outs[d] for d in gj[:-1]]), p.outer):
+            return _scaled(replace(p, dim=gj[-1], outer=None), inner, 1), ""
     return None, why
+
+
+def inferred(shape: object, dim: int) -> bool:
+    """True when a view's size of `dim` is -1 (inferred: heads folded into rows take their local count so)."""
+    return isinstance(shape, (list, tuple)) and dim < len(shape) and isinstance(shape[dim], int) and shape[dim] == -1
 
 
 def _scaled(p: Shard, times: int, over: int) -> Shard:

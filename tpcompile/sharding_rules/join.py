@@ -39,16 +39,22 @@ def _segments_of(tensors: list, dim: int, ctx: RuleContext) -> Optional[Shard]:
     """cat along the dim every operand is split on (q, k and v projected apart, then joined for one convolution, as
     linear-attention layers do): rank r's blocks joined are its part of a split in segments, the operands' sizes (their
     own segments and zero padding carried over; an operand in fewer pieces than ranks, k of 2 kv heads at 4 ranks,
-    a segment in as many pieces). None when an operand is whole or split otherwise."""
+    a segment in as many pieces; one cut per rank, v's heads cut within their kv groups, its cuts). None when an
+    operand is whole or split otherwise."""
     segs: list = []
     pads: list = []
     pieces: list = []  # per segment, its pieces: the world size, or fewer (k of kv heads fewer than the ranks)
+    cut: dict = {}  # segment index -> its cuts, for an operand cut per rank (value heads cut within their groups)
     for t in tensors:
         p, size = ctx.placement(t), ctx.shape(t)[dim]
         if not isinstance(p, Shard) or p.dim != dim or p.seq or not isinstance(size, int) or \
-                p.shared(ctx.world_size) or p.rank_cuts or p.outer is not None or p.split_next is not None or \
+                p.shared(ctx.world_size) or p.outer is not None or p.split_next is not None or \
                 (p.pieces is not None and (p.segments is not None or p.padded is not None)):
             return None
+        if p.rank_cuts:
+            cut.update({len(segs) + i: c for i, c in enumerate(p.cuts)})
+            segs, pads, pieces = segs + list(p.segments), pads + list(p.segments), pieces + [1] * len(p.segments)
+            continue
         own = list(p.segments) if p.segments else [size]
         segs += own
         pads += [p.padded] if p.padded is not None else p.pads() if p.cuts is not None else own
@@ -57,7 +63,10 @@ def _segments_of(tensors: list, dim: int, ctx: RuleContext) -> Optional[Shard]:
             return None
     if len(segs) < 2:
         return None
-    return Shard(dim, tuple(segs), cuts=seg_cuts(segs, ctx.world_size, pads, pieces))
+    cuts = seg_cuts(segs, ctx.world_size, pads, pieces)
+    if cut:
+        cuts = tuple(cut.get(i, c) for i, c in enumerate(cuts))
+    return Shard(dim, tuple(segs), cuts=cuts)
 
 
 def _skipped(shape: object) -> bool:

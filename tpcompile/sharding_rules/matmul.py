@@ -41,11 +41,13 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if ctx.demoted(node):
         return Result(REPLICATE, [Want(x, REPLICATE)], role="replicated", params=params)
     if isinstance(px, Replicate) or (isinstance(px, Shard) and px.seq):
+        grouped = spec.get("kv_groups") and not ctx.pieces_of(node)  # (kv heads, ranks sharing one, head size)
         why = _keep_whole(spec) or (f"{wshape[out_dim]} output feature(s), fewer than the {ctx.world_size} ranks: "
-                                    f"whole on every rank" if wshape[out_dim] < ctx.world_size else None)
+                                    f"whole on every rank" if wshape[out_dim] < ctx.world_size and not grouped
+                                    else None)
         if why:
             return Result(REPLICATE, [Want(x, REPLICATE)], role="replicated", params=params, note=why)
-        if spec.get("kv_groups") and not ctx.pieces_of(node):  # (kv heads, ranks sharing one, head size)
+        if grouped:  # each rank its entries of each group (one a head of a step size: fewer than the ranks)
             return _group_cut(node, spec, ctx, x, w, b, out_dim, params)
         segments = ctx.segment_hint(node) or (wshape[out_dim],)
         counts = head_pieces(segments, spec.get("heads"), ctx.world_size) if not spec.get("unit") \
@@ -98,14 +100,22 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
 def _group_cut(node: Node, spec: RuleSpec, ctx: RuleContext, x: Node, w: Node, b: Any, out_dim: int,
                params: dict) -> Result:
     """A query projection whose kv groups are split within the ranks sharing each kv head (`group_cuts.py`); a fused
-    q|k|v projection's k and v segments in kv pieces, each held by the ranks sharing it."""
+    q|k|v projection's k and v segments in kv pieces, each held by the ranks sharing it. `grouped`: the fused
+    segments cut by groups (the query's, 0, unless passes/head_repeats.py says otherwise: a linear attention's
+    value heads, its query and key heads repeated for them)."""
     kv, share, head = spec.get("kv_groups")
     fused = ctx.segment_hint(node)
-    fused = fused if fused and len(fused) == 3 and sum(fused) == ctx.shape(w)[out_dim] else None
-    size = (fused[0] if fused else ctx.shape(w)[out_dim]) // kv  # one group's features
-    segments, cuts = (size,) * kv, group_cuts(kv, size, head, share, ctx.world_size)
-    if fused:
-        segments, cuts = segments + tuple(fused[1:]), cuts + tuple(even_cuts(s, kv) for s in fused[1:])
+    grouped = spec.get("grouped")
+    whole = ctx.shape(w)[out_dim]
+    fused = fused if fused and len(fused) == (3 if grouped is None else len(fused)) and sum(fused) == whole \
+        else (whole,)
+    grouped = grouped or (0,)
+    segments: tuple = ()
+    cuts: tuple = ()
+    for i, s in enumerate(fused):  # each grouped segment: kv segments of one group's features, cut among its ranks
+        n = kv if i in grouped else 1
+        segments += (s // n,) * n
+        cuts += group_cuts(kv, s // kv, head, share, ctx.world_size) if i in grouped else (even_cuts(s, kv),)
     cut = ParamSlice(out_dim, segments, cuts=cuts)
     params[w] = cut
     if isinstance(b, Node):

@@ -9,7 +9,7 @@ import torch
 from torch.fx import Node
 
 from tpcompile.placement import REPLICATE, Replicate, Shard, moved, segmented, shard, split_dims
-from tpcompile.sharding_rules.group_cuts import cuts_local, cuts_reshape, padded_groups
+from tpcompile.sharding_rules.group_cuts import cuts_local, cuts_reshape, inferred, padded_groups
 from tpcompile.sharding_rules.grouped import cut_later, grouped, on_one, regroup
 from tpcompile.sharding_rules.padded import padded_reshape, split_cut_segments
 from tpcompile.sharding_rules.registry import rule
@@ -180,7 +180,10 @@ def reshape(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if out.rank_cuts and cut is None:
         return _fail(node, f"reshape gives the ranks different sizes of the explicitly cut dim {out.dim}")
     res = Result(out, [Want(x, p)])
-    if spec.get("shape_arg") is not None and (out.shared(ctx.world_size) or out.rank_cuts):
+    if out.rank_cuts and out.outer is not None and spec.get("shape_arg") is not None:  # heads folded into rows:
+        if not inferred(node.args[spec.get("shape_arg")], out.dim):  # their count only as -1
+            return _fail(node, f"reshape folds the explicitly cut dim into dim {out.dim} of a size given as a number")
+    elif spec.get("shape_arg") is not None and (out.shared(ctx.world_size) or out.rank_cuts):
         local = sum(out.seg_local(ctx.world_size)) if cut is None else cut
         res.localize = [("shape_set", spec.get("shape_arg"), (out.dim, local), None)]
     elif spec.get("shape_arg") is not None:

@@ -42,6 +42,13 @@ def write_into(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         # a whole value written into a split temporary (`out[..., :n].copy_(whole)`): each rank writes its part
         # (of the padded heads, zeros past the real ones)
         return Result(pd, [Want(dst, pd), Want(src, pd)] + [Want(n, REPLICATE) for n in tensors if n not in (dst, src)])
+    others = [n for n in tensors if n not in (dst, src)]  # indices, positions
+    if isinstance(ps, Shard) and pd == ps and not ps.seq and len(sshape) == len(dshape) \
+            and _buffer_under(dst, -1, ctx) is None and ctx.all_replicated(others) \
+            and not _along(node, spec, len(dshape), ps.dim):
+        # a temporary laid out as the value written (segments, heads cut within their groups): each rank writes its
+        # part into its part
+        return Result(ps, [Want(dst, ps), Want(src, ps)] + [Want(n, REPLICATE) for n in others])
     if not isinstance(ps, Shard) or ps.segments or (ps.padded and not ps.plain_padded) or ps.outer or ps.seq \
             or len(sshape) != len(dshape):  # heads zero-padded to a multiple of the ranks: the buffer is padded too
         return _fail(node, tensors, f"writes a value split as {ps} into {dst.name} in place")
@@ -64,6 +71,12 @@ def write_into(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     wants = [Want(dst, target if root is None or root is dst or ctx.placement(root) == target else pd), Want(src, ps)]
     wants += [Want(n, REPLICATE) for n in tensors if n not in (dst, src)]  # indices, positions
     return Result(target, wants, params=params)
+
+
+def _along(node: Node, spec: RuleSpec, nd: int, dim: int) -> bool:
+    """True when the write indexes along `dim` (index_copy_'s dim)."""
+    i = spec.get("dim_arg")
+    return i is not None and i < len(node.args) and norm_dim(node.args[i], nd) == dim
 
 
 _VIEWS = ("aten.slice.Tensor", "aten.narrow.default", "aten.alias.default")
