@@ -88,19 +88,20 @@ class GroupedKeyHeads(torch.nn.Module):
 
 
 class GatedGroupAttention(torch.nn.Module):
-    """Grouped-query attention, 4 query heads of 8 over 2 kv heads, query and key normalised per head (RMS over the
-    whole projection, Dory's and OLMoE's norms, which read no kv heads in pieces), its merged heads gated by a
-    sigmoid of a projection of the input before the output projection."""
+    """Grouped-query attention, 4 query heads of 8 over 2 kv heads, query and key normalised (`norms`: RMS over the
+    whole projection, OLMoE's norms, which read no kv heads in pieces), its merged heads gated by a sigmoid of a
+    projection of the input before the output projection (Dory's gate)."""
 
-    def __init__(self) -> None:
+    def __init__(self, norms: bool = True) -> None:
         super().__init__()
+        self.norms = norms
         self.q, self.k, self.v = torch.nn.Linear(32, 32), torch.nn.Linear(32, 16), torch.nn.Linear(32, 16)
         self.gate, self.o = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q = F.rms_norm(self.q(x), (32,)).view(b, t, 4, 8).transpose(1, 2)
-        k = F.rms_norm(self.k(x), (16,)).view(b, t, 2, 8).transpose(1, 2)
+        q, k = (F.rms_norm(p(x), (n,)) if self.norms else p(x) for p, n in ((self.q, 32), (self.k, 16)))
+        q, k = q.view(b, t, 4, 8).transpose(1, 2), k.view(b, t, 2, 8).transpose(1, 2)
         v = self.v(x).view(b, t, 2, 8).transpose(1, 2)
         k, v = (z[:, :, None].expand(b, 2, 2, t, 8).reshape(b, 4, t, 8) for z in (k, v))
         h = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, 32)

@@ -146,20 +146,21 @@ def mark_head_groups(gm: GraphModule, ctx: PassContext) -> None:
 def _split_groups(found: list, kv_args: tuple, kv: int, share: int, hd: int, ctx: PassContext,
                   units: Optional[tuple], fused: bool, gates: list) -> None:
     """Each kv head in a piece of its own (held by `share` ranks), its group of query heads split among those ranks
-    and zero-padded to a multiple of them (sharding_rules/group_cuts.py), the kv repeats between the key and
-    value projections and the attention padded alike (`pad_within`). A fused q|k|v projection gets it all in one
+    and zero-padded to a multiple of them (sharding_rules/group_cuts.py), and a gate of the merged heads with them;
+    the kv repeats between the key and value projections and the attention padded alike (`pad_within`). A fused q|k|v projection gets it all in one
     cut: its q segment by groups, its k and v segments in kv pieces (sharding_rules/matmul.py `_group_cut`).
     `units`: the whole groups to fall back on (None: kv-head replication), should propagation blame one of the
     three projections (give_up_group_cuts)."""
     q, k, v = found
-    _add(q, kv_groups=(kv, share, hd))
+    for proj in (q, *gates):  # a gate of the merged heads cut as the query heads are
+        _add(proj, kv_groups=(kv, share, hd))
     if not fused:
         ctx.pieces[k] = ctx.pieces[v] = kv
     repeats = [n for arg, proj in zip(kv_args, (k, v)) for n in _between(arg, proj)
                if getattr(n.meta.get("tp_rule"), "rule", None) == "expand"]
     for n in repeats:
         _add(n, pad_within=True)
-    for proj in found:
+    for proj in (*found, *gates):
         ctx.group_cuts[proj] = (tuple(found), tuple(repeats), units, fused, tuple(gates))
 
 
@@ -172,7 +173,7 @@ def give_up_group_cuts(blamed: set, ctx: PassContext) -> set:
         if o not in ctx.group_cuts:  # given up with another projection of its attention
             continue
         found, repeats, units, fused, gates = ctx.group_cuts[o]
-        for n in (*found, *repeats):
+        for n in (*found, *repeats, *gates):
             spec = n.meta["tp_rule"]
             n.meta["tp_rule"] = RuleSpec(spec.rule, {a: b for a, b in spec.args.items()
                                                      if a not in ("kv_groups", "pad_within", "grouped")})
