@@ -36,12 +36,15 @@ class GroupSubNorm(torch.nn.Module):
 
 class EagerGroupAttention(torch.nn.Module):
     """Grouped-query attention written out (Gemma-2's eager path): 4 query heads of 8 over 2 kv heads repeated as
-    repeat_kv does, q @ k^T scaled and soft-capped (tanh), a causal mask added, a softmax, then @ v."""
+    repeat_kv does, q @ k^T scaled and soft-capped (tanh), a causal mask added, a softmax, then @ v; `sinks`: the
+    output scaled per head by a sigmoid of the scores' logsumexp less a parameter (attention sinks, GraniteMoe's:
+    the scores read twice)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sinks: bool = False) -> None:
         super().__init__()
         self.q, self.k, self.v = torch.nn.Linear(32, 32), torch.nn.Linear(32, 16), torch.nn.Linear(32, 16)
         self.o = torch.nn.Linear(32, 32)
+        self.sinks = torch.nn.Parameter(torch.randn(4)) if sinks else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -51,6 +54,8 @@ class EagerGroupAttention(torch.nn.Module):
         scores = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * 8 ** -0.5 / 20) * 20
         mask = torch.full((t, t), float("-inf")).triu(1)
         a = torch.matmul((scores + mask).softmax(-1), v)
+        if self.sinks is not None:
+            a = a * torch.sigmoid((scores + mask).logsumexp(-1) - self.sinks[:, None])[..., None]
         return self.o(a.transpose(1, 2).reshape(b, t, 32))
 
 

@@ -59,13 +59,14 @@ def test_reductions_over_kv_groups_cut_among_ranks(reduce: str, ws: int) -> None
 
 
 @pytest.mark.parametrize("ws", [3, 6, 8])
-def test_attention_written_out_is_split_by_kv_groups(ws: int) -> None:
+@pytest.mark.parametrize("sinks", [False, True])
+def test_attention_written_out_is_split_by_kv_groups(sinks: bool, ws: int) -> None:
     """Grouped-query attention written out (q @ k^T soft-capped, a mask, a softmax, @ v; Gemma-2's eager path) with
-    2 kv heads at 3, 6 and 8 ranks is found as an attention, as scaled_dot_product_attention is: its query heads
-    split by kv group (q and o hold a quarter of their rows at 6 and 8 ranks, a half at 3), no warning (at 6 and 8
-    the projections were replicated), equal."""
+    2 kv heads at 3, 6 and 8 ranks is found as an attention, as scaled_dot_product_attention is, its scores read by
+    a logsumexp too or not (attention sinks, GraniteMoe's): its query heads split by kv group (q and o hold a quarter
+    of their rows at 6 and 8 ranks, a half at 3), no warning (at 6 and 8 the projections were replicated), equal."""
     torch.manual_seed(0)
-    model = EagerGroupAttention()
+    model = EagerGroupAttention(sinks)
     sm = split(model, ws, column=("q.weight", "k.weight", "v.weight"), row=("o.weight",), one_all_reduce=True)
     assert sm.plan.parameters["q.weight"].local_shape == ((16, 32) if ws == 3 else (8, 32))
 

@@ -72,18 +72,22 @@ def _transposed(n: object) -> bool:
 
 
 def _values(scores: Node) -> Optional[Node]:
-    """The product of the scores, softmaxed, with v: the first matmul they reach as its first operand (one tensor
-    user a step: checks of the metadata and sizes read aside), past a softmax."""
-    n, softmaxed = scores, False
-    for _ in range(_SCORES):
-        users = [u for u in n.users if isinstance(u.meta.get("val"), torch.Tensor)]
-        if len(users) != 1:
-            return None
-        n = users[0]
-        softmaxed = softmaxed or "softmax" in str(n.target)
-        if n.target in _MATMUL:
-            return n if softmaxed and n.args[0] is not scores else None
-    return None
+    """The product of the scores, softmaxed, with v: the one matmul they reach as its first operand past a softmax
+    (the users followed that hold tensors: checks of the metadata and sizes read aside; branches too, as a
+    logsumexp of the scores for attention sinks, GraniteMoe's), within _SCORES ops of them."""
+    found, todo, seen = set(), [(scores, False, 0)], set()
+    while todo:
+        n, softmaxed, depth = todo.pop()
+        for u in n.users:
+            if not isinstance(u.meta.get("val"), torch.Tensor) or (u, softmaxed) in seen or depth >= _SCORES:
+                continue
+            seen.add((u, softmaxed))
+            if u.target in _MATMUL:
+                if softmaxed and u.args[0] is n:
+                    found.add(u)
+                continue
+            todo.append((u, softmaxed or "softmax" in str(u.target), depth + 1))
+    return found.pop() if len(found) == 1 else None
 
 
 def _gates(out: Node, width: int, found: list, ctx: PassContext) -> list[Node]:
