@@ -155,3 +155,25 @@ class KeyRepeatLinearAttention(torch.nn.Module):
         y = (y + first).transpose(1, 2).reshape(-1, 8)
         y = F.rms_norm(y, (8,)) * self.norm * F.silu(self.z(x).reshape(-1, 8))
         return self.o(y.reshape(b, t, 32))
+
+
+class SharedRopeKeys(torch.nn.Module):
+    """Multi-head latent attention's keys (DeepSeek-V3's): 4 heads, each key the head's own 8 features, projected
+    up from a normalised latent of 8 with its value, and 4 rotary features shared by every head (projected with the
+    latent, expanded over the heads), written into a fresh tensor (new_empty) slice by slice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.kv_a, self.kv_b = torch.nn.Linear(32, 48), torch.nn.Linear(32, 12), torch.nn.Linear(8, 64)
+        self.o = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, 4, 12).transpose(1, 2)
+        latent, rope = self.kv_a(x).split([8, 4], -1)
+        own, v = self.kv_b(F.rms_norm(latent, (8,))).view(b, t, 4, 16).transpose(1, 2).split([8, 8], -1)
+        k = own.new_empty(b, 4, t, 12)
+        k[:, :, :, :8] = own
+        k[:, :, :, 8:] = rope.view(b, 1, t, 4).expand(-1, 4, -1, -1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(a.transpose(1, 2).reshape(b, t, 32))

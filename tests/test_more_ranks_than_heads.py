@@ -12,7 +12,7 @@ import torch
 from tpcompile.runtime import launch
 
 from group_models import (EagerGroupAttention, GatedGroupAttention, GroupedKeyHeads, GroupPadTokens, GroupSubNorm,
-                          KeyRepeatLinearAttention)
+                          KeyRepeatLinearAttention, SharedRopeKeys)
 from padded_checks import equal, parallel_diffs, shard, split
 from padded_models import (AlibiAttention, GatedAttention, GatedHeadNorm, GateViewAs, PairedHeads, RowsPerHead,
                            SlotHeads)
@@ -136,6 +136,16 @@ def test_gate_of_heads_cut_within_kv_groups_is_cut_with_them(ws: int) -> None:
     plans = sm.plan.parameters
     assert plans["gate.weight"].local_shape == plans["q.weight"].local_shape == (8, 32)
     assert plans["gate.weight"].cuts == plans["q.weight"].cuts is not None
+
+
+@pytest.mark.parametrize("ws", [3, 4, 6, 8])
+def test_fresh_tensor_filled_with_heads_fewer_than_ranks(ws: int) -> None:
+    """Multi-head latent attention's keys, 4 heads, written slice by slice into a fresh tensor (new_empty): its own
+    features split by heads, the rotary features shared by every head whole. At 8 ranks the heads start in pieces
+    each shared by 2 ranks; the fresh tensor takes them so (it was whole, the split write refused, its projection
+    replicated with a warning), and the whole features are written into each rank's part. No warning, equal."""
+    torch.manual_seed(0)
+    split(SharedRopeKeys(), ws, column=("q.weight",), row=("o.weight",), one_all_reduce=True)
 
 
 def _on_six(rank: int) -> dict:

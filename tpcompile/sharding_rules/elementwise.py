@@ -6,6 +6,7 @@ from typing import Any
 from torch.fx import Node
 
 from tpcompile.placement import REPLICATE, Replicate, Shard, cut_from_shared, moved, split_dims
+from tpcompile.sharding_rules.group_cuts import cuts_local
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim, sizes_equal
 from tpcompile.sharding_rules.table import RuleSpec
@@ -94,13 +95,18 @@ def last_dims(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
 def new_sized(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     """x.new_empty(size) / new_zeros / new_ones / new_full: a fresh tensor whose size keeps x's split dim (the
     same position, the same size: `x.new_empty(*x.shape[:-1], n)`, filled by slices later) is split like x,
-    its size literal per rank (zero-padded like x, when x is); any other fresh tensor is whole."""
+    its size literal per rank (zero-padded like x, in pieces shared by ranks or cut within kv groups, when x is);
+    any other fresh tensor is whole."""
     x, i = node.args[0], spec.get("shape_arg")
     p, sizes = ctx.placement(x), list(node.args[i]) if i < len(node.args) else []
     xs = ctx.shape(x)
-    if isinstance(p, Shard) and (p.plain or p.plain_padded) and len(sizes) == len(xs) and p.dim < len(xs) \
-            and sizes_equal(ctx.shape(node)[p.dim], xs[p.dim]):
-        return Result(p, [Want(x, p)], localize=[("shape", i, p.dim, None)])
+    if isinstance(p, Shard) and len(sizes) == len(xs) and p.dim < len(xs) and not p.seq and p.outer is None \
+            and p.split_next is None and sizes_equal(ctx.shape(node)[p.dim], xs[p.dim]):
+        if p.plain or p.plain_padded or p.pieces and p.segments is None and p.cuts is None:  # (heads in pieces
+            return Result(p, [Want(x, p)], localize=[("shape", i, p.dim, p.pieces)])  # fewer than the ranks)
+        local = cuts_local(p, ctx.world_size) if p.rank_cuts else None  # heads cut within their kv groups
+        if local is not None:
+            return Result(p, [Want(x, p)], localize=[("shape_set", i, (p.dim, local), None)])
     return Result(REPLICATE, [Want(x, p)])
 
 
