@@ -177,3 +177,28 @@ class SharedRopeKeys(torch.nn.Module):
         k[:, :, :, 8:] = rope.view(b, 1, t, 4).expand(-1, 4, -1, -1)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(a.transpose(1, 2).reshape(b, t, 32))
+
+
+class OneGroupHeads(torch.nn.Module):
+    """Mamba-2's heads read with one group of B and C: one projection of x (4 heads of 8) | B | C (one group of 8
+    each, whole on every rank, repeated for the heads), a decay per head (from a projection of 4); scores B . C per
+    head times the decay, causal, times x; a norm over the merged heads (one norm group), gated; the output
+    projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.xbc, self.dt = torch.nn.Linear(32, 48), torch.nn.Linear(32, 4)
+        self.z, self.o = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+        self.a_log = torch.nn.Parameter(torch.rand(4) - 0.5)
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        b, t, _ = inp.shape
+        x, B, C = self.xbc(inp).split([32, 8, 8], -1)
+        B, C = (v.view(b, t, 1, 8).repeat_interleave(4, dim=2) for v in (B, C))
+        decay = (-self.a_log.exp() * F.softplus(self.dt(inp))).cumsum(1)  # (b, t, heads)
+        mask = torch.ones(t, t, dtype=torch.bool).tril()[None, :, :, None]
+        gaps = (decay[:, :, None] - decay[:, None]).masked_fill(~mask, -1e9).exp()
+        y = torch.einsum("blsh,bshp->blhp", torch.einsum("blhn,bshn->blsh", C, B) * gaps, x.view(b, t, 4, 8))
+        y = y.reshape(b, t, 32)
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6) * F.silu(self.z(inp))
+        return self.o(y)

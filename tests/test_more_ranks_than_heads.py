@@ -1,18 +1,19 @@
 """More ranks than heads (4 at 6 or 8 ranks) or kv heads (2 at 6 or 8): heads in pieces shared by ranks go one to a
 rank when what reads them needs it, a kv group's query heads cut among the ranks sharing its kv head meet reductions,
 and attention written out, a gate or a padding of the tokens meet grouped heads; a linear attention's value heads
-cut among the ranks sharing their repeated key head (tests/padded_models.py,
-tests/group_models.py).
+cut among the ranks sharing their repeated key head; a fresh tensor filled with heads in pieces; one group whole on
+every rank against heads in pieces (tests/padded_models.py, tests/group_models.py).
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
+import tpcompile
 from tpcompile.runtime import launch
 
 from group_models import (EagerGroupAttention, GatedGroupAttention, GroupedKeyHeads, GroupPadTokens, GroupSubNorm,
-                          KeyRepeatLinearAttention, SharedRopeKeys)
+                          KeyRepeatLinearAttention, OneGroupHeads, SharedRopeKeys)
 from padded_checks import equal, parallel_diffs, shard, split
 from padded_models import (AlibiAttention, GatedAttention, GatedHeadNorm, GateViewAs, PairedHeads, RowsPerHead,
                            SlotHeads)
@@ -146,6 +147,21 @@ def test_fresh_tensor_filled_with_heads_fewer_than_ranks(ws: int) -> None:
     replicated with a warning), and the whole features are written into each rank's part. No warning, equal."""
     torch.manual_seed(0)
     split(SharedRopeKeys(), ws, column=("q.weight",), row=("o.weight",), one_all_reduce=True)
+
+
+@pytest.mark.parametrize("ws", [4, 6, 8])
+def test_one_group_whole_meets_heads_in_pieces(ws: int) -> None:
+    """Mamba-2's one group of B and C, whole on every rank and repeated for 4 heads, against the heads in 4 pieces
+    each shared by 2 ranks at 8 ranks: each rank cuts its piece from the whole group (it met them laid out
+    otherwise, and the projection was replicated with a warning); the norm over the merged heads sums each shared
+    piece once per rank holding it, divided by their count; the output projection takes the heads one to a rank,
+    the group's segments staying whole. No warning, equal, the gradients equal too."""
+    torch.manual_seed(0)
+    model = OneGroupHeads()
+    sm = split(model, ws, column=("xbc.weight", "z.weight"), row=("o.weight",))
+    assert sm.plan.parameters["xbc.weight"].local_shape == (24, 32)
+    report = tpcompile.check_gradients(model, sm, torch.randn(2, 7, 32))
+    assert report.ok, str(report)
 
 
 def _on_six(rank: int) -> dict:

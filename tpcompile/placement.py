@@ -225,12 +225,15 @@ def cut_shard(dim: int, segments: Sequence[int], cuts: Cuts, world_size: int) ->
 def cut_from_shared(have: object, want: object) -> bool:
     """True when `want` is cut locally from `have`, a value in pieces each shared by several ranks: from one piece
     every rank holds whole (`Shard(d, pieces=1)`: multi-query's kv head repeated over the query heads), a
-    zero-padded split; from g pieces (k heads repeated over 4 v heads at 4 ranks: 2 pieces), an even split,
+    zero-padded split or g pieces of its own; from g pieces (k heads repeated over 4 v heads at 4 ranks: 2
+    pieces), an even split,
     rank r's block lying in its piece."""
     if not isinstance(have, Shard) or not isinstance(want, Shard) or want.dim != have.dim or not have.pieces:
         return False
-    if have.pieces == 1:
-        return want.plain_padded
+    if have.pieces == 1:  # (or in pieces itself: Mamba-2's one group of B repeated for heads fewer than the ranks)
+        return want.plain_padded or (want.pieces is not None and want.pieces > 1 and want.segments is None
+                                     and want.cuts is None and want.split_next is None and want.outer is None
+                                     and not want.seq)
     return want.plain and have.segments is None and have.split_next is None and have.outer is None \
         and have.padded is None and not have.seq
 

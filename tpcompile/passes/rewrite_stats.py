@@ -28,7 +28,7 @@ from tpcompile.passes.rewrite_sizes import size_node
 from tpcompile.passes.rewrite_slices import zero_padding
 from tpcompile.placement import is_seq, local_shape, shape_key
 from tpcompile.sharding_rules.rule_context import to_size
-from tpcompile.sharding_rules.reductions import keepdim, reduced_dims
+from tpcompile.sharding_rules.reductions import even_pieces, keepdim, reduced_dims
 
 aten = torch.ops.aten
 tp = torch.ops.tpcompile
@@ -109,7 +109,9 @@ def _reduce(o: _Ops, node: Node, lookup: Lookup) -> Node:
         out = o.call(tp.all_reduce.default, local, o.group)
         if combine == "mean" and padded:  # local means over padded slices: scale to the real size
             return o.call(aten.mul.Scalar, out, o.local[o.p.dim] / int(o.x.meta["val"].shape[o.p.dim]))
-        return o.call(aten.div.Scalar, out, o.ws) if combine == "mean" else out
+        if combine == "sum" and even_pieces(o.p):  # each piece summed by every rank sharing it
+            return o.call(aten.div.Scalar, out, o.ws // o.p.pieces)
+        return o.call(aten.div.Scalar, out, o.ws) if combine == "mean" else out  # (in pieces too: ws x the mean)
     shape = [1, *node.meta["val"].shape]
     ranks = o.gather(tp.all_gather_replicated.default, o.call(aten.unsqueeze.default, local, 0), 0, shape)
     if combine == "max":

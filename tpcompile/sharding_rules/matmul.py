@@ -56,8 +56,8 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         units = [_unit(s, heads[i] if heads and i < len(heads) else None) if g == ctx.world_size else 1
                  for i, (s, g) in enumerate(zip(segments, counts))]
         if ctx.unpieced(node) and not ctx.pieces_of(node):  # heads one to a rank, zero-padded, not in pieces
-            units = [s // g if g < ctx.world_size else u for s, g, u in zip(segments, counts, units)]
-            counts = [ctx.world_size] * len(segments)
+            units = [s // g if 1 < g < ctx.world_size else u for s, g, u in zip(segments, counts, units)]
+            counts = [g if g == 1 else ctx.world_size for g in counts]  # (one head whole on every rank stays so)
         unit = spec.get("unit")  # heads padded by whole kv groups (passes/head_groups.py), per segment if fused
         if unit and len(segments) == (len(unit) if isinstance(unit, tuple) else 1):
             units = [_unit(s, u) for s, u in zip(segments, unit if isinstance(unit, tuple) else (unit,))]

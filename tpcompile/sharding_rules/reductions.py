@@ -130,6 +130,12 @@ def _splittable(p: Any, world_size: int) -> bool:
         and (p.cuts is None or not p.rank_cuts and dim_layout(p, None, world_size).distinct)
 
 
+def even_pieces(p: Any) -> bool:
+    """One segment in equal pieces each shared by the same number of ranks, unpadded (heads fewer than the ranks)."""
+    return isinstance(p, Shard) and p.pieces is not None and p.pieces > 1 and p.segments is None and p.cuts is None \
+        and p.split_next is None and p.outer is None and not p.seq
+
+
 def reduced_dims(node: Node, spec: RuleSpec, nd: int) -> list[int]:
     """The dims a reduction row reduces over, non-negative (every dim when none are given)."""
     i = spec.get("dims_arg")
@@ -180,6 +186,8 @@ def _cannot(node: Node, spec: RuleSpec, ctx: RuleContext, p: Shard, dims: list[i
         if combine in ("sum", "mean") and p.rank_cuts and p.outer is None and isinstance(size, int) \
                 and dim_layout(p, size, ctx.world_size).distinct:
             return None  # each rank's own cut of every segment (a kv group's heads), its padding zeroed first
+        if combine in ("sum", "mean") and even_pieces(p):
+            return None  # each piece summed once per rank sharing it: the sum divided by their count
         if combine in ("var", "std") and p.plain_padded and dims == [p.dim] == [len(ctx.shape(node.args[0])) - 1]:
             return None  # each rank's moments over its real entries, merged with their counts (padding left out)
         if combine in ("max", "min", "logsumexp") and p.plain_padded:
