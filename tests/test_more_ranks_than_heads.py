@@ -144,9 +144,11 @@ def test_fresh_tensor_filled_with_heads_fewer_than_ranks(ws: int) -> None:
     """Multi-head latent attention's keys, 4 heads, written slice by slice into a fresh tensor (new_empty): its own
     features split by heads, the rotary features shared by every head whole. At 8 ranks the heads start in pieces
     each shared by 2 ranks; the fresh tensor takes them so (it was whole, the split write refused, its projection
-    replicated with a warning), and the whole features are written into each rank's part. No warning, equal."""
+    replicated with a warning), and the whole features are written into each rank's part; the attention of q, k and
+    v alike in pieces is computed by each piece's ranks (the keys and values were kept whole on every rank). No
+    warning, equal."""
     torch.manual_seed(0)
-    split(SharedRopeKeys(), ws, column=("q.weight",), row=("o.weight",), one_all_reduce=True)
+    split(SharedRopeKeys(), ws, column=("q.weight", "kv_b.weight"), row=("o.weight",), one_all_reduce=True)
 
 
 @pytest.mark.parametrize("ws", [4, 6, 8])
