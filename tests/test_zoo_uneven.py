@@ -32,9 +32,9 @@ def test_mamba_mixers_split_at_three_ranks(arch: str) -> None:
     assert row["balanced"] <= 1.15
 
 
-@pytest.mark.parametrize("ws", [3, 6])
+@pytest.mark.parametrize("ws", [3, 5, 6, 8])
 def test_docs_section_is_the_cache_rendered(ws: int) -> None:
-    """docs/architectures.md's sections on the zoo at 3 and 6 ranks are what bench/zoo_uneven.py makes of its
+    """docs/architectures.md's sections on the zoo at 3, 5, 6 and 8 ranks are what bench/zoo_uneven.py makes of its
     caches and the zoo's own rows, never typed."""
     meta, rows = zoo.load_cache(zoo_uneven.cache_path(ws))
     begin, end = zoo_uneven.markers(ws)

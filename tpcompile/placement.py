@@ -141,6 +141,12 @@ class Shard(Cut):
                 and self.outer is None and self.pieces is None)
 
     @property
+    def in_pieces(self) -> bool:
+        """True for one segment in equal pieces, each shared by several ranks, nothing else (heads fewer than ranks)."""
+        return self.pieces is not None and self.segments is None and self.cuts is None and self.split_next is None \
+            and self.outer is None and not self.seq
+
+    @property
     def plain_padded(self) -> bool:
         """True when the dimension is one segment zero-padded to a multiple of the world size and split evenly."""
         return self.padded is not None and self.outer is None and self.pieces is None and not self.seq
@@ -224,16 +230,12 @@ def cut_shard(dim: int, segments: Sequence[int], cuts: Cuts, world_size: int) ->
 
 def cut_from_shared(have: object, want: object) -> bool:
     """True when `want` is cut locally from `have`, a value in pieces each shared by several ranks: from one piece
-    every rank holds whole (`Shard(d, pieces=1)`: multi-query's kv head repeated over the query heads), a
-    zero-padded split or g pieces of its own; from g pieces (k heads repeated over 4 v heads at 4 ranks: 2
-    pieces), an even split,
-    rank r's block lying in its piece."""
+    every rank holds whole (`Shard(d, pieces=1)`: multi-query's kv head repeated over the query heads), a zero-padded
+    split or g pieces of its own; from g pieces (k heads repeated over 4 v heads at 4 ranks), an even split."""
     if not isinstance(have, Shard) or not isinstance(want, Shard) or want.dim != have.dim or not have.pieces:
         return False
-    if have.pieces == 1:  # (or in pieces itself: Mamba-2's one group of B repeated for heads fewer than the ranks)
-        return want.plain_padded or (want.pieces is not None and want.pieces > 1 and want.segments is None
-                                     and want.cuts is None and want.split_next is None and want.outer is None
-                                     and not want.seq)
+    if have.pieces == 1:  # (pieces of its own: Mamba-2's one group of B repeated for heads fewer than the ranks)
+        return want.plain_padded or want.in_pieces and want.pieces > 1
     return want.plain and have.segments is None and have.split_next is None and have.outer is None \
         and have.padded is None and not have.seq
 

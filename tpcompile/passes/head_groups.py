@@ -151,8 +151,9 @@ def _split_groups(found: list, kv_args: tuple, kv: int, share: int, hd: int, ctx
                   units: Optional[tuple], fused: bool, gates: list) -> None:
     """Each kv head in a piece of its own (held by `share` ranks), its group of query heads split among those ranks
     and zero-padded to a multiple of them (sharding_rules/group_cuts.py), and a gate of the merged heads with them;
-    the kv repeats between the key and value projections and the attention padded alike (`pad_within`). A fused q|k|v projection gets it all in one
-    cut: its q segment by groups, its k and v segments in kv pieces (sharding_rules/matmul.py `_group_cut`).
+    the kv repeats between the key and value projections and the attention padded alike (`pad_within`). A fused
+    q|k|v projection gets it all in one cut: its q segment by groups, its k and v segments in kv pieces
+    (sharding_rules/matmul.py `_group_cut`).
     `units`: the whole groups to fall back on (None: kv-head replication), should propagation blame one of the
     three projections (give_up_group_cuts)."""
     q, k, v = found

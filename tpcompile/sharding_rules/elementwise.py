@@ -102,7 +102,7 @@ def new_sized(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     xs = ctx.shape(x)
     if isinstance(p, Shard) and len(sizes) == len(xs) and p.dim < len(xs) and not p.seq and p.outer is None \
             and p.split_next is None and sizes_equal(ctx.shape(node)[p.dim], xs[p.dim]):
-        if p.plain or p.plain_padded or p.pieces and p.segments is None and p.cuts is None:  # (heads in pieces
+        if p.plain or p.plain_padded or p.in_pieces:  # (heads in pieces
             return Result(p, [Want(x, p)], localize=[("shape", i, p.dim, p.pieces)])  # fewer than the ranks)
         local = cuts_local(p, ctx.world_size) if p.rank_cuts else None  # heads cut within their kv groups
         if local is not None:

@@ -124,12 +124,6 @@ def _group_cut(node: Node, spec: RuleSpec, ctx: RuleContext, x: Node, w: Node, b
     return Result(out, [ctx.replicated_want(x, out)], role="column", params=params)
 
 
-def _heads_in_pieces(p: Any) -> bool:
-    """Heads (dim 1) in equal pieces each shared by several ranks, nothing else."""
-    return isinstance(p, Shard) and p.dim == 1 and p.pieces is not None and p.pieces > 1 and p.segments is None \
-        and p.cuts is None and p.split_next is None and p.outer is None and not p.seq
-
-
 def _runs_of_heads(p: Shard, ctx: RuleContext) -> bool:
     """Heads in segments, each split among all the ranks (DiffLlama's two halves, passes/head_runs.py)."""
     return p.segments is not None and p.outer is None and p.pieces is None and not p.seq \
@@ -254,7 +248,9 @@ def sdpa(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
                    and p.dim == 1 and (p.plain or p.plain_padded or p.rank_cuts or _runs_of_heads(p, ctx))), None)
     if target is None:  # heads fewer than the ranks, q, k and v alike in pieces: each piece's ranks compute it
         held = {ctx.placement(n) for n in (q, k, v) if n not in one}
-        target = held.pop() if len(held) == 1 and _heads_in_pieces(next(iter(held))) else Shard(1)
+        one_way = next(iter(held)) if len(held) == 1 else None
+        target = one_way if isinstance(one_way, Shard) and one_way.dim == 1 and one_way.in_pieces \
+            and one_way.pieces > 1 else Shard(1)
     def alike(n: Node) -> bool:  # the target's heads, written otherwise (a repeat's copies, a reshape's outer)
         p = ctx.placement(n)
         return isinstance(p, Shard) and p != target and p.dim == 1 \

@@ -132,8 +132,7 @@ def _splittable(p: Any, world_size: int) -> bool:
 
 def even_pieces(p: Any) -> bool:
     """One segment in equal pieces each shared by the same number of ranks, unpadded (heads fewer than the ranks)."""
-    return isinstance(p, Shard) and p.pieces is not None and p.pieces > 1 and p.segments is None and p.cuts is None \
-        and p.split_next is None and p.outer is None and not p.seq
+    return isinstance(p, Shard) and p.in_pieces and p.pieces > 1
 
 
 def reduced_dims(node: Node, spec: RuleSpec, nd: int) -> list[int]:

@@ -36,7 +36,7 @@ def write_into(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return Result(REPLICATE, [Want(n, REPLICATE) for n in tensors])
     ps, pd = ctx.placement(src), ctx.placement(dst)
     dshape, sshape = ctx.shape(dst), ctx.shape(src)
-    if isinstance(pd, Shard) and (pd.plain or pd.plain_padded or _in_pieces(pd)) and not pd.seq \
+    if isinstance(pd, Shard) and (pd.plain or pd.plain_padded or pd.in_pieces) and not pd.seq \
             and ctx.all_replicated([n for n in tensors if n is not dst]) \
             and len(sshape) == len(dshape) and sshape[pd.dim] == dshape[pd.dim] and _buffer_under(dst, -1, ctx) is None:
         # a whole value written into a split temporary (`out[..., :n].copy_(whole)`): each rank writes its part
@@ -71,12 +71,6 @@ def write_into(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     wants = [Want(dst, target if root is None or root is dst or ctx.placement(root) == target else pd), Want(src, ps)]
     wants += [Want(n, REPLICATE) for n in tensors if n not in (dst, src)]  # indices, positions
     return Result(target, wants, params=params)
-
-
-def _in_pieces(p: Shard) -> bool:
-    """One segment in pieces each shared by several ranks (heads fewer than the ranks), nothing else."""
-    return p.pieces is not None and p.segments is None and p.cuts is None and p.split_next is None \
-        and p.outer is None
 
 
 def _along(node: Node, spec: RuleSpec, nd: int, dim: int) -> bool:
