@@ -113,7 +113,7 @@ def test_key_heads_repeated_cut_their_value_heads_among_the_ranks_sharing_them(l
     4 value heads, at 6 and 8 ranks: each key head in a piece held by the 3 or 4 ranks sharing it, its 2 value heads
     cut among them (one a rank, zeros past them), and so the step size's, the decay's and the gate's projections, one
     head a rank; the repeats give each rank its share. The projections were replicated with a warning (the repeated
-    keys went one group to a rank, the value heads one head to a rank: laid out differently)."""
+    keys went one group to a rank, the value heads one head to a rank: laid out differently). Gradients equal too."""
     torch.manual_seed(0)
     model = KeyRepeatLinearAttention(layout)
     qkv = ("qkv.weight",) if layout == "fused" else ("q.weight", "k.weight", "v.weight")
@@ -123,6 +123,8 @@ def test_key_heads_repeated_cut_their_value_heads_among_the_ranks_sharing_them(l
     assert plans["z.weight"].local_shape == (8, 32) and plans["beta.weight"].local_shape == (1, 32)
     assert plans["z.weight"].cuts is not None and plans[qkv[-1]].cuts is not None
     assert all(plans[n].local_shape == ((24, 32) if layout == "fused" else (8, 32)) for n in qkv)
+    report = tpcompile.check_gradients(model, sm, torch.randn(2, 7, 32))
+    assert report.ok, str(report)
 
 
 @pytest.mark.parametrize("ws", [6, 8])
