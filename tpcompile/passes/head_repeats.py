@@ -8,7 +8,10 @@ key heads for 4 value heads at 6 ranks: 3 ranks a key head, 2 value heads for th
 rank would not line up with the repeated keys. Split as grouped-query attention is at such world sizes
 (head_groups.py), each key head goes in a piece of its own (held by the ranks sharing it) and its group of value
 heads is cut among those ranks, zero-padded (2 | ... 1 | 1 | 0 a rank; sharding_rules/group_cuts.py); the repeat
-gives each rank its share of the group (`pad_within`, sharding_rules/layout_ops.py).
+gives each rank its share of the group (`pad_within`, sharding_rules/layout_ops.py). Where the ranks do not divide
+the key heads and the repeats padded one head a rank would not line up with the value heads padded so (2 key heads
+for 4 value heads at 5 ranks: 2 repeated heads a rank against 1), each projection is padded by whole groups instead
+(`unit`: a key head, or its group of value heads, a rank), as head_groups.py pads grouped-query attention.
 
 This pass finds, per module, the repeats of heads that need it, the projections they repeat (the sources: in
 pieces) and the projections whose values meet the repeated heads' descendants up to the module's row split (the
@@ -43,12 +46,23 @@ def mark_head_repeats(gm: GraphModule, ctx: PassContext) -> None:
     for n in gm.graph.nodes:
         spec = n.meta.get("tp_rule")
         found = _repeat(n, spec) if n.op == "call_function" and spec is not None else None
-        if found and 1 < found[0] < ws and ws % found[0] == 0 and found[1] % (ws // found[0]):  # (one head: whole)
+        if found and (_cut(*found, ws) or _whole_groups(*found, ws)):
             by_module.setdefault(module_path(n), []).append(n)
     for path, reps in by_module.items():
         kinds = {_repeat(r, r.meta["tp_rule"]) for r in reps}
         if len(kinds) == 1:
             _mark(path, reps, *kinds.pop(), ctx)
+
+
+def _cut(heads: int, times: int, ws: int) -> bool:
+    """Each head in a piece of its own shared by ranks that do not divide its group (one head: whole instead)."""
+    return 1 < heads < ws and ws % heads == 0 and times % (ws // heads) != 0
+
+
+def _whole_groups(heads: int, times: int, ws: int) -> bool:
+    """Heads the ranks do not divide, whose repeats padded one to a rank would not line up with the repeated-for
+    heads padded so (2 key heads for 4 value heads at 5 ranks: 2 repeated heads a rank against 1)."""
+    return heads % ws != 0 and ws % heads != 0 and -(-heads // ws) * times != -(-heads * times // ws)
 
 
 def _repeat(n: Node, spec: RuleSpec) -> Optional[tuple[int, int]]:
@@ -79,6 +93,12 @@ def _mark(path: str, reps: list[Node], heads: int, times: int, ctx: PassContext)
                         if not path or o[0].meta["tp_rule"].get("owner", "").startswith(path + ".")}
     roles = _roles(sources, met, heads, times)
     if not roles or not met:
+        return
+    if _whole_groups(heads, times, ctx.world_size):  # each rank whole groups: a key head and its value heads
+        for proj in roles:
+            segments = proj.meta["tp_rule"].get("segments")
+            _add(proj, unit=tuple(s // heads for s in segments) if segments else
+                 int(proj.meta["val"].shape[-1]) // heads)
         return
     share = ctx.world_size // heads
     found = tuple(roles)
