@@ -226,12 +226,17 @@ def projection(arg: object, ctx: PassContext) -> Optional[Node]:
         if n in seen or n.op != "call_function":
             continue
         seen.add(n)
-        spec = n.meta.get("tp_rule")
-        if spec is not None and spec.rule == "weight_matmul" and has_weight(n, spec, ctx):
+        if is_projection(n, ctx):
             found.append(n)
             continue
         todo.extend(n.all_input_nodes)
     return found[0] if len(found) == 1 else None
+
+
+def is_projection(node: Node, ctx: PassContext) -> bool:
+    """A weight matmul (a linear) whose weight is a 2-D parameter."""
+    spec = node.meta.get("tp_rule")
+    return spec is not None and spec.rule == "weight_matmul" and has_weight(node, spec, ctx)
 
 
 def has_weight(node: Node, spec: RuleSpec, ctx: PassContext) -> bool:

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from tpcompile.passes.head_groups import has_weight, projection
+from tpcompile.passes.head_groups import is_projection, projection
 from tpcompile.passes.pass_context import PassContext, module_path
 from tpcompile.sharding_rules import RuleSpec
 
@@ -149,11 +149,7 @@ def _descendants(reps: list[Node], ctx: PassContext) -> Optional[set]:
         reach.add(n)
         if len(reach) > _WALK:
             return None
-        for u in n.users:
-            spec = u.meta.get("tp_rule")
-            if u.op == "call_function" and not (spec is not None and spec.rule == "weight_matmul"
-                                                and has_weight(u, spec, ctx)):
-                todo.append(u)
+        todo.extend(u for u in n.users if u.op == "call_function" and not is_projection(u, ctx))
     return reach
 
 
@@ -166,8 +162,7 @@ def _origins(n: Node, ctx: PassContext) -> set:
         if m in seen or not isinstance(m, Node) or m.op != "call_function":
             continue
         seen.add(m)
-        spec = m.meta.get("tp_rule")
-        if spec is not None and spec.rule == "weight_matmul" and has_weight(m, spec, ctx):
+        if is_projection(m, ctx):
             projs.append(m)
             continue
         if m.target is operator.getitem and isinstance(m.args[0], Node) and m.args[0].target in _SPLITS:
