@@ -158,13 +158,13 @@ def _split_groups(found: list, kv_args: tuple, kv: int, share: int, hd: int, ctx
     three projections (give_up_group_cuts)."""
     q, k, v = found
     for proj in (q, *gates):  # a gate of the merged heads cut as the query heads are
-        _add(proj, kv_groups=(kv, share, hd))
+        add_args(proj, kv_groups=(kv, share, hd))
     if not fused:
         ctx.pieces[k] = ctx.pieces[v] = kv
     repeats = [n for arg, proj in zip(kv_args, (k, v)) for n in _between(arg, proj)
                if getattr(n.meta.get("tp_rule"), "rule", None) == "expand"]
     for n in repeats:
-        _add(n, pad_within=True)
+        add_args(n, pad_within=True)
     for proj in (*found, *gates):
         ctx.group_cuts[proj] = (tuple(found), tuple(repeats), units, fused, tuple(gates))
 
@@ -190,7 +190,7 @@ def give_up_group_cuts(blamed: set, ctx: PassContext) -> set:
     return undone
 
 
-def _add(node: Node, **args: object) -> None:
+def add_args(node: Node, **args: object) -> None:
     spec = node.meta["tp_rule"]
     node.meta["tp_rule"] = RuleSpec(spec.rule, {**spec.args, **args})
 
@@ -236,10 +236,10 @@ def projection(arg: object, ctx: PassContext) -> Optional[Node]:
 def is_projection(node: Node, ctx: PassContext) -> bool:
     """A weight matmul (a linear) whose weight is a 2-D parameter."""
     spec = node.meta.get("tp_rule")
-    return spec is not None and spec.rule == "weight_matmul" and has_weight(node, spec, ctx)
+    return spec is not None and spec.rule == "weight_matmul" and _has_weight(node, spec, ctx)
 
 
-def has_weight(node: Node, spec: RuleSpec, ctx: PassContext) -> bool:
+def _has_weight(node: Node, spec: RuleSpec, ctx: PassContext) -> bool:
     i = spec.get("weight")
     w, _ = weight_view(node.args[i]) if i is not None and i < len(node.args) else (None, False)
     t = ctx.tensors.get(w.target) if w is not None else None

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from tpcompile.passes.head_groups import is_projection, projection
+from tpcompile.passes.head_groups import add_args, is_projection, projection
 from tpcompile.passes.pass_context import PassContext, module_path
 from tpcompile.sharding_rules import RuleSpec
 
@@ -85,20 +85,18 @@ def _mark(path: str, reps: list[Node], heads: int, times: int, ctx: PassContext)
     if any(len(o) != 1 for o in found) or reach is None:
         return
     sources = set().union(*found)
-    met: set = set()
-    for n in reach:
-        for i in n.all_input_nodes:
-            if i not in reach and i.op == "call_function" and isinstance(i.meta.get("val"), torch.Tensor):
-                met |= {o for o in _origins(i, ctx) - sources
-                        if not path or o[0].meta["tp_rule"].get("owner", "").startswith(path + ".")}
+    outside = {i for n in reach for i in n.all_input_nodes  # the values the repeats' descendants meet
+               if i not in reach and i.op == "call_function" and isinstance(i.meta.get("val"), torch.Tensor)}
+    met = {o for i in outside for o in _origins(i, ctx) - sources
+           if not path or o[0].meta["tp_rule"].get("owner", "").startswith(path + ".")}
     roles = _roles(sources, met, heads, times)
     if not roles or not met:
         return
     if _whole_groups(heads, times, ctx.world_size):  # each rank whole groups: a key head and its value heads
         for proj in roles:
             segments = proj.meta["tp_rule"].get("segments")
-            _add(proj, unit=tuple(s // heads for s in segments) if segments else
-                 int(proj.meta["val"].shape[-1]) // heads)
+            add_args(proj, unit=tuple(s // heads for s in segments) if segments else
+                     int(proj.meta["val"].shape[-1]) // heads)
         return
     share = ctx.world_size // heads
     found = tuple(roles)
@@ -107,10 +105,10 @@ def _mark(path: str, reps: list[Node], heads: int, times: int, ctx: PassContext)
             ctx.pieces[proj] = heads
         else:
             args = {"kv_groups": (heads, share, unit), **({"grouped": grouped} if grouped else {})}
-            _add(proj, **args)
+            add_args(proj, **args)
         ctx.group_cuts[proj] = (found, tuple(reps), None, False, ())
     for r in reps:
-        _add(r, pad_within=True)
+        add_args(r, pad_within=True)
 
 
 def _roles(sources: set, met: set, heads: int, times: int) -> Optional[dict]:
@@ -123,8 +121,7 @@ def _roles(sources: set, met: set, heads: int, times: int) -> Optional[dict]:
         if spec.get("kv_groups") or spec.get("unit"):
             return None
         segments = spec.get("segments") or (int(proj.meta["val"].shape[-1]),)
-        mine = {seg or 0: "met" if (proj, seg) in met else "source" for seg in (o[1] for o in sources | met
-                                                                                if o[0] is proj)}
+        mine = {seg or 0: "met" if (p, seg) in met else "source" for p, seg in sources | met if p is proj}
         if sorted(mine) != list(range(len(segments))):
             return None
         units = {segments[s] // (heads * times) for s, role in mine.items() if role == "met"}
@@ -206,8 +203,3 @@ def _joined(split: Node, i: int) -> Optional[Node]:
             return None
         m = m.args[0] if m.op == "call_function" and m.args else None  # the data an op of one input reads
     return None
-
-
-def _add(node: Node, **args: object) -> None:
-    spec = node.meta["tp_rule"]
-    node.meta["tp_rule"] = RuleSpec(spec.rule, {**spec.args, **args})

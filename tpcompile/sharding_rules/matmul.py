@@ -107,8 +107,7 @@ def _group_cut(node: Node, spec: RuleSpec, ctx: RuleContext, x: Node, w: Node, b
     fused = ctx.segment_hint(node)
     grouped = spec.get("grouped")
     whole = ctx.shape(w)[out_dim]
-    fused = fused if fused and len(fused) == (3 if grouped is None else len(fused)) and sum(fused) == whole \
-        else (whole,)
+    fused = fused if fused and (grouped is not None or len(fused) == 3) and sum(fused) == whole else (whole,)
     grouped = grouped or (0,)
     segments: tuple = ()
     cuts: tuple = ()
