@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tpcompile.layouts import DimLayout, Segment, dim_layout
-from tpcompile.placement import (ParamSlice, local_shape, pad_cuts, piece_cut, rank_pieces, seg_cuts,
+from tpcompile.placement import (ParamSlice, Shard, local_shape, pad_cuts, piece_cut, rank_pieces, seg_cuts,
                                  slice_placement, slice_shape)
 
 CASES = {  # name -> (placement, dim size, world size, rank, expected runs, expected local size)
@@ -53,6 +53,16 @@ def test_uneven_cuts_are_values_too() -> None:
     assert layout.runs(1) == [(12, 0, 8, 8)]
 
 
-def test_a_piece_count_must_divide_the_world_size() -> None:
-    with pytest.raises(AssertionError, match="do not divide the world size"):
+def test_pieces_the_ranks_do_not_divide_are_held_by_runs_of_ranks() -> None:
+    """2 pieces at 5 ranks: ranks 0-2 hold piece 0, ranks 3-4 piece 1; each real element counted once (by the
+    first rank holding it)."""
+    layout = dim_layout(piece_cut(0, 8, 2), 8, 5)
+    assert [layout.blocks(r) for r in range(5)] == [[(0, 4)]] * 3 + [[(4, 8)]] * 2
+    assert [layout.owned(r) for r in range(5)] == [[(0, 0, 4)], [], [], [(4, 0, 4)], []]
+    assert local_shape((3, 8), Shard(1, pieces=2), 4, 5) == (3, 4)
+
+
+def test_a_piece_count_must_leave_no_piece_without_a_rank() -> None:
+    """3 pieces at 4 ranks: 2 ranks a piece leave the third piece none."""
+    with pytest.raises(AssertionError, match="leave a piece without a rank"):
         dim_layout(ParamSlice(0, (6, 3), cuts=seg_cuts((6, 3), 4, counts=(3, 3))), 9, 4)

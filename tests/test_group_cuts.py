@@ -40,6 +40,45 @@ def test_query_heads_split_within_their_kv_groups(heads: int, kv: int, ws: int) 
     _exact(model, sm, torch.randn(3, 13, 40), torch.randn(2, 9, 40))
 
 
+@pytest.mark.parametrize("heads, kv, ws, holders", [(4, 2, 5, (3, 2)), (8, 2, 5, (3, 2)), (4, 2, 7, (4, 3)),
+                                                     (10, 2, 7, (4, 3))])
+def test_kv_heads_the_ranks_do_not_divide_are_held_by_runs_of_ranks(heads: int, kv: int, ws: int,
+                                                                  holders: tuple) -> None:
+    """2 kv heads at 5 (or 7) ranks: kv head 0 held by the first ceil(ws / 2) ranks, kv head 1 by the rest, each
+    group's query heads cut among its holders (a rank with none of them holds a zero head): every rank holds
+    ceil(group / holders) query heads and one kv head, as a split balanced by heads does (padded by whole groups
+    before: 2 query heads and 1 kv head a rank on 2 ranks, the others zeros). No warning, two all-reduces a block,
+    exact forward and gradients on another batch and length."""
+    model = _net(heads, kv, head_dim=HEAD, width=40)
+    sm, warned = _shard(model, ws)
+    assert not warned, [str(w.message) for w in warned]
+    group, share = heads // kv, holders[0]
+    q, k = sm.plan.parameters["blocks.0.attn.q.weight"], sm.plan.parameters["blocks.0.attn.k.weight"]
+    o = sm.plan.parameters["blocks.0.attn.o.weight"]
+    assert (q.role, q.local_shape) == ("column", (-(-heads // ws) * HEAD, 40))
+    assert q.cuts == group_cuts(kv, group * HEAD, HEAD, share, ws) and o.cuts == q.cuts
+    assert (k.role, k.local_shape, k.pieces) == ("column", (HEAD, 40), kv)
+    kv_of = [[a // HEAD for a, _, _ in rank_pieces(k.slice(), kv * HEAD, r, ws)] for r in range(ws)]
+    assert kv_of == [[0]] * holders[0] + [[1]] * holders[1]
+    held = [rank_pieces(q.slice(), heads * HEAD, r, ws) for r in range(ws)]
+    assert sorted(i for runs in held for a, _, n in runs for i in range(a, a + n)) == list(range(heads * HEAD))
+    assert all(a // HEAD // group == kv_of[r][0] for r in range(ws) for a, _, _ in held[r])  # with its kv head
+    assert sorted(op for op, _ in sm.collectives()) == ["all_reduce"] * 4
+    _exact(model, sm, torch.randn(3, 13, 40), torch.randn(2, 9, 40))
+
+
+def test_kv_heads_the_ranks_do_not_divide_stay_padded_where_the_last_holders_fall_short() -> None:
+    """6 heads on 2 kv heads at 5 ranks: the 2 ranks left for kv head 1 would need its 3 query heads at 2 a rank
+    where the 3 holding kv head 0 hold 1: padded by whole groups as before (one group a rank), exact."""
+    model = _net(6, 2, head_dim=HEAD, width=40)
+    sm, warned = _shard(model, 5)
+    assert not warned, [str(w.message) for w in warned]
+    q, k = sm.plan.parameters["blocks.0.attn.q.weight"], sm.plan.parameters["blocks.0.attn.k.weight"]
+    assert (q.local_shape, q.cuts, k.local_shape, k.pieces) == ((3 * HEAD, 40), ((0, 12, 24, 36, 48, 60),),
+                                                                (HEAD, 40), None)
+    _exact(model, sm, torch.randn(3, 13, 40), torch.randn(2, 9, 40))
+
+
 def test_every_query_head_is_held_once_and_the_plan_shows_each_ranks_part() -> None:
     """12 heads on 4 kv heads at 8 ranks: ranks 2k and 2k + 1 hold heads 3k, 3k + 1 and 3k + 2 (and a zero head);
     every row of the query weight is on exactly one rank, and `tpcompile plan` says how much on each (rows, and heads
@@ -218,18 +257,20 @@ def test_the_zero_heads_get_no_gradient() -> None:
 
 
 @pytest.mark.gloo
-@pytest.mark.parametrize("model, bound", [("llama", 0.35), ("phi3", 0.4)])
-def test_training_under_torchrun_equals_one_process(model: str, bound: float) -> None:
+@pytest.mark.parametrize("model, tp, heads, bound", [("llama", 4, 6, 0.35), ("phi3", 4, 6, 0.4),
+                                                     ("llama", 5, 4, 0.3)])
+def test_training_under_torchrun_equals_one_process(model: str, tp: int, heads: int, bound: float) -> None:
     """examples/train_hybrid.py at tp 4 under torchrun (4 gloo processes) on a Llama with 6 heads on 2 kv heads
-    (groups of 3 cut 2 | 1 between the 2 ranks sharing each kv head), or a Phi-3 (one qkv_proj, cut alike): the
-    single process's losses, step after step, and each rank under `bound` of the parameters (the Llama's 0.32:
-    each kv head is held by 2 ranks, the groups padded)."""
+    (groups of 3 cut 2 | 1 between the 2 ranks sharing each kv head), or a Phi-3 (one qkv_proj, cut alike), and at
+    tp 5 on a Llama with 4 heads on 2 kv heads (held by ranks 0-2 and 3-4): the single process's losses, step after
+    step, and each rank under `bound` of the parameters (the Llama's 0.32 at 4: each kv head is held by 2 ranks,
+    the groups padded)."""
     from hybrid_matrix import TOLERANCE, layout_args, run_example, worst_relative
 
-    args = ["--model", f"hf:{model}", "--config", "num_attention_heads=6", "--config", "num_key_value_heads=2",
+    args = ["--model", f"hf:{model}", "--config", f"num_attention_heads={heads}", "--config", "num_key_value_heads=2",
             "--config", "hidden_size=24", "--config", "intermediate_size=40", "--layers", "2",
             "--inputs", "4x16:long", "--steps", "3", "--json"]
-    out = run_example([*layout_args(1, 4, 1), *args], nproc=4)
+    out = run_example([*layout_args(1, tp, 1), *args], nproc=tp)
     ref = run_example(["--dp", "1", "--tp", "1", "--pp", "1", *args])
     assert worst_relative(out["losses"], ref["losses"]) < TOLERANCE, (out["losses"], ref["losses"])
     assert max(out["param_bytes_per_rank"]) < bound * out["model_param_bytes"]

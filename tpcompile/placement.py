@@ -228,16 +228,16 @@ def cut_shard(dim: int, segments: Sequence[int], cuts: Cuts, world_size: int) ->
     return Shard(dim, tuple(segments), cuts=tuple(cuts))
 
 
-def cut_from_shared(have: object, want: object) -> bool:
+def cut_from_shared(have: object, want: object, world_size: int) -> bool:
     """True when `want` is cut locally from `have`, a value in pieces each shared by several ranks: from one piece
     every rank holds whole (`Shard(d, pieces=1)`: multi-query's kv head repeated over the query heads), a zero-padded
-    split or g pieces of its own; from g pieces (k heads repeated over 4 v heads at 4 ranks), an even split."""
+    split or g pieces of its own; from g pieces the ranks divide (k heads repeated over 4 v heads at 4 ranks), even."""
     if not isinstance(have, Shard) or not isinstance(want, Shard) or want.dim != have.dim or not have.pieces:
         return False
     if have.pieces == 1:  # (pieces of its own: Mamba-2's one group of B repeated for heads fewer than the ranks)
         return want.plain_padded or want.in_pieces and want.pieces > 1
-    return want.plain and have.segments is None and have.split_next is None and have.outer is None \
-        and have.padded is None and not have.seq
+    return want.plain and world_size % have.pieces == 0 and have.segments is None and have.split_next is None \
+        and have.outer is None and have.padded is None and not have.seq
 
 
 def is_seq(p: object) -> bool:

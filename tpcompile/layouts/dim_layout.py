@@ -2,7 +2,8 @@
 
 A fused q|k|v projection is three segments; a zero-padded vocabulary one segment whose cuts run past its
 size (the zeros); kv heads fewer than ranks a segment of fewer pieces than ranks, piece k held by the ranks
-k * (world_size / pieces) ... (k + 1) * (world_size / pieces) - 1. The placement fields (`segments` and
+k * h ... (k + 1) * h - 1, h = ceil(world_size / pieces) (`holders`: 2 kv heads at 5 ranks are held by ranks
+0-2 and 3-4). The placement fields (`segments` and
 their `cuts`, or `pieces`) are read in one place, `dim_layout`; the arithmetic on what a rank
 holds (`DimLayout.runs`, `DimLayout.local_size`) is done once, here, on this value.
 """
@@ -35,7 +36,7 @@ class DimLayout:
 
     def piece(self, seg: Segment, rank: int) -> int:
         """The piece of `seg` that `rank` holds."""
-        return rank // (self.world_size // seg.pieces)
+        return rank // holders(self.world_size, seg.pieces)
 
     def blocks(self, rank: int) -> list[tuple[int, int]]:
         """Per segment, the [start, stop) that `rank` holds in the dim's padded positions (each segment's
@@ -63,7 +64,7 @@ class DimLayout:
         """(global start, local start, real length) of the runs `rank` counts: of each piece it holds, only those it
         is the first of its ranks to hold, so that the ranks together count every real element once (a norm)."""
         return [(a, loc, n) for seg, (a, loc, n, _) in zip(self.segments, self.runs(rank))
-                if n > 0 and rank % (self.world_size // seg.pieces) == 0]
+                if n > 0 and rank % holders(self.world_size, seg.pieces) == 0]
 
     @property
     def distinct(self) -> bool:
@@ -73,6 +74,17 @@ class DimLayout:
     def local_size(self, rank: int) -> int:
         """The dim's size on `rank`, its zero padding included."""
         return sum(seg.cuts[self.piece(seg, rank) + 1] - seg.cuts[self.piece(seg, rank)] for seg in self.segments)
+
+
+def holders(world_size: int, pieces: int) -> int:
+    """How many ranks hold each of `pieces` pieces: ceil(world_size / pieces), piece k held by the ranks
+    k * h ... (k + 1) * h - 1 (the last piece by fewer when the pieces do not divide the ranks)."""
+    return -(-world_size // pieces)
+
+
+def binds(world_size: int, pieces: int) -> bool:
+    """True when `pieces` pieces bound to ranks by `holders` give every piece at least one rank."""
+    return 0 < pieces <= world_size and (pieces - 1) * holders(world_size, pieces) < world_size
 
 
 def even_cuts(total: int, pieces: int) -> tuple[int, ...]:
@@ -93,14 +105,14 @@ def dim_layout(p: Any, full: Optional[int], world_size: int) -> DimLayout:
     ParamSlice or Shard `p` describes (its `segments` and their `cuts`, the cuts of a padded dim, `pieces`, or a
     token split's shares)."""
     if p.cuts is not None:  # explicit: segment k cut at p.cuts[k]; without segments, the dim cut past its size
-        assert all(world_size % (len(c) - 1) == 0 for c in p.cuts), \
-            f"pieces {[len(c) - 1 for c in p.cuts]} do not divide the world size {world_size}"
+        assert all(binds(world_size, len(c) - 1) for c in p.cuts), \
+            f"pieces {[len(c) - 1 for c in p.cuts]} leave a piece without a rank at world size {world_size}"
         segs = p.segments or (p.cuts[0][-1] if full is None else full,)
         return DimLayout(world_size, tuple(Segment(s, tuple(c)) for s, c in zip(segs, p.cuts)))
     if getattr(p, "seq", False) and full is not None:  # tokens: one run a rank, the first full % ws one longer
         bounds = tuple(token_shares.start(full, r, world_size) for r in range(world_size)) + (full,)
         return DimLayout(world_size, (Segment(full, bounds),))
-    if p.pieces:  # one segment of `pieces` pieces, each shared by world_size / pieces ranks
+    if p.pieces:  # one segment of `pieces` pieces, each shared by `holders` ranks
         return DimLayout(world_size, (Segment(full, even_cuts(full, p.pieces)),))
     segs = list(p.segments) if p.segments else [full]
     assert full is None or sum(segs) == full, f"segments {segs} do not add up to {full}"

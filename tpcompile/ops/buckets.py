@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 import tpcompile.ops.inplace  # noqa: F401  (the in-place all-reduce the backward uses)
+from tpcompile.layouts import holders
 from tpcompile.runtime.backends import rank_of, world_size_of
 
 __all__ = ["grad_bucket_all_reduce"]
@@ -58,7 +59,7 @@ def _backward(ctx: Any, grads: list[Optional[torch.Tensor]]) -> tuple:
     parts, pieces_of = [], []
     for g, (shape, dtype, device), dim, p in zip(grads, ctx.like, ctx.dims, ctx.pieces):
         g = torch.zeros(shape, dtype=dtype, device=device) if g is None else g
-        piece = rank // (ws // p) if p else 0
+        piece = rank // holders(ws, p) if p else 0
         parts.append(_contribution(g, dim, p, piece))
         pieces_of.append(piece)
     flat = torch.ops.tpcompile.all_reduce.inplace(torch.cat(parts), ctx.group)

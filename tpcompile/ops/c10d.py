@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from tpcompile.errors import TPCompileError
+from tpcompile.layouts import holders
 from tpcompile.layouts.token_shares import share, slot
 from tpcompile.ops import shares
 from tpcompile.runtime.failures import collective_error
@@ -166,7 +167,7 @@ def _piece_sum(grads: list[torch.Tensor], dims: list[int], pieces: list[int], ra
             parts.append(g.reshape(-1))
             placed.append(None)
             continue
-        piece, size = rank // (ws // p), g.shape[dim]
+        piece, size = rank // holders(ws, p), g.shape[dim]
         pads = [0, 0] * (g.dim() - dim - 1) + [piece * size, (p - 1 - piece) * size]
         parts.append(torch.nn.functional.pad(g, pads).reshape(-1))
         placed.append((piece, size))

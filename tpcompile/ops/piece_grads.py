@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from tpcompile.layouts import holders
 from tpcompile.ops.collectives import all_reduce
 from tpcompile.runtime.backends import rank_of, world_size_of
 
@@ -34,7 +35,7 @@ def _setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
 
 def _backward(ctx: Any, grad: torch.Tensor) -> tuple:
     ws = world_size_of(ctx.group)
-    piece = rank_of(ctx.group) // (ws // ctx.pieces)
+    piece = rank_of(ctx.group) // holders(ws, ctx.pieces)
     shape = list(grad.shape)
     size = shape[ctx.dim]
     shape[ctx.dim] = size * ctx.pieces

@@ -13,9 +13,12 @@ query heads at 3, 6 or 8 ranks), there are two exact ways to split the attention
 When the world size is a multiple of the kv heads (4 kv heads at 8 ranks, each shared by 2 ranks) there is a
 third way, which holds the least: each kv head in a piece of its own, and its group of query heads split among
 the ranks sharing it, zero-padded to a multiple of them (3 heads at 2 ranks: 2 | 1 and a zero head; explicit
-cuts, sharding_rules/group_cuts.py). Separate query, key and value projections are split so whenever it applies
-(the query projection's `kv_groups`, the key and value projections' pieces, the kv repeats' `pad_within`), and a
-fused q|k|v projection with more than one kv head too (its `kv_groups`: one cut of its q, k and v segments).
+cuts, sharding_rules/group_cuts.py). Where the ranks do not divide the kv heads this third way still applies when
+it holds less than the other two (2 kv heads of 4 query heads at 5 ranks: kv head 0 held by ranks 0-2, kv head 1
+by ranks 3-4, `layouts.holders`; every rank one query head, rank 2's a zero head). Separate query, key and value
+projections are split so whenever it applies (the query projection's `kv_groups`, the key and value projections'
+pieces, the kv repeats' `pad_within`), and a fused q|k|v projection with more than one kv head too (its
+`kv_groups`: one cut of its q, k and v segments).
 
 This pass finds each attention (`scaled_dot_product_attention`, or written out: q @ k^T, a softmax, @ v),
 its query, key and value projections (through the views, transposes, rotary
@@ -37,6 +40,7 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
+from tpcompile.layouts import binds, holders
 from tpcompile.passes.pass_context import PassContext
 from tpcompile.sharding_rules import RuleSpec
 from tpcompile.sharding_rules.rule_context import weight_view
@@ -141,10 +145,24 @@ def mark_head_groups(gm: GraphModule, ctx: PassContext) -> None:
         replicated = 2 * -(-heads // ws) + 2 * kv  # q and o split by heads, k and v whole
         units = (rep * hd, hd, hd) if groups <= replicated else None  # q by whole groups; k and v padded by heads
         gates = _gates(out, q, found, ctx) if units else []  # padded by whole groups as the query heads are
-        if ws % kv == 0 and (not fused or kv > 1):  # kv heads in pieces, each group's query heads cut among its ranks
-            _split_groups(found, (k_arg, v_arg), kv, ws // kv, hd, ctx, units, fused, gates)
+        # kv heads in pieces, each group's query heads cut among the ranks holding its kv head
+        if _within(heads, kv, ws, min(groups, replicated)) and (not fused or kv > 1):
+            _split_groups(found, (k_arg, v_arg), kv, holders(ws, kv), hd, ctx, units, fused, gates)
         elif units:
             _set_units(found, fused, units, gates)
+
+
+def _within(heads: int, kv: int, ws: int, other: int) -> bool:
+    """True when kv heads in pieces, each group's query heads cut among the ranks holding its kv head, is the split:
+    the ranks divide the kv heads, or else (2 kv heads at 5 ranks: held by ranks 0-2 and 3-4, `layouts.holders`)
+    every piece has ranks, the last piece's fewer ranks still hold its group at the others' share, and a rank
+    holds fewer heads so (q and o, k and v) than `other`, the heads a rank holds padded by whole groups or with
+    the kv heads whole."""
+    if ws % kv == 0:
+        return True
+    share, rep = holders(ws, kv), heads // kv
+    per = -(-rep // share)
+    return binds(ws, kv) and per * (ws - (kv - 1) * share) >= rep and 2 * per + 2 < other
 
 
 def _split_groups(found: list, kv_args: tuple, kv: int, share: int, hd: int, ctx: PassContext,

@@ -31,7 +31,7 @@ def gathering_seq(node: Node, rules: RuleContext, placement: Any, res: Result, w
     def view(n: Any) -> Any:
         return REPLICATE if n in gathered else placement(n)
     retry = op_result(node, rules.seeing(view), view)
-    again = retry.conflict or check_wants(retry, view)[0]
+    again = retry.conflict or check_wants(retry, view, rules.world_size)[0]
     return (res, why, blame) if again else (retry, None, None)
 
 
@@ -108,7 +108,8 @@ def _value_name(node: Node) -> str:
     return node.name
 
 
-def check_wants(res: Result, placement: Any, own: Collection[Node] = ()) -> tuple[Optional[str], Optional[list[Node]]]:
+def check_wants(res: Result, placement: Any, world_size: int,
+                own: Collection[Node] = ()) -> tuple[Optional[str], Optional[list[Node]]]:
     """Why an input cannot be brought to the placement the rule wants, and which, if any.
 
     `own`: the op's own weights, which it cuts itself (how the previous round cut them does not bind it).
@@ -129,7 +130,7 @@ def check_wants(res: Result, placement: Any, own: Collection[Node] = ()) -> tupl
                      or (w.placement.seg_padded and w.placement.outer is None and not w.placement.seq)):
             continue  # a local slice, no communication (passes/rewrite_slices.py when not plain; padded heads,
             # folded with the batch or not, and padded segments)
-        if cut_from_shared(have, w.placement):
+        if cut_from_shared(have, w.placement, world_size):
             continue  # whole on every rank (one shared piece): its padded part, sliced locally
         if is_seq(have) and isinstance(w.placement, Replicate):
             continue  # an all-gather of the tokens

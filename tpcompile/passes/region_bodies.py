@@ -56,7 +56,7 @@ def place_body(body: GraphModule, inputs: list, grads: list[bool], ctx: RuleCont
         bn.meta["tp_rule"] = lookup(bn.target)
         grad[bn] = _float(bn) and any(grad.get(i, False) for i in bn.all_input_nodes)
         res = partial_result(bn, inner, placement, op_result)
-        why = res.conflict or check_wants(res, placement)[0]
+        why = res.conflict or check_wants(res, placement, ctx.world_size)[0]
         lift = None if why else _lift(res, places, placement)
         if lift is not None:
             return None, None, lift

@@ -93,7 +93,7 @@ class _Emitter:
             if key not in self.cache:
                 self.cache[key] = scatter_tokens(self, src, w.node, w.placement)
             return self.cache[key]
-        shared = cut_from_shared(have, w.placement)  # its gradient is summed where the shared piece is made
+        shared = cut_from_shared(have, w.placement, self.ws)  # its gradient is summed where the shared piece is made
         if shared or isinstance(have, Replicate) and isinstance(w.placement, Shard) and not w.placement.plain:
             key = ("slice", w.node, w.placement)  # segments, pieces, batch x heads: this rank's runs, no communication
             if key not in self.cache:

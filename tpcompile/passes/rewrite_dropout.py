@@ -16,7 +16,7 @@ import torch
 from torch.fx import Node
 
 import tpcompile.ops.rng as rng
-from tpcompile.layouts import dim_layout
+from tpcompile.layouts import dim_layout, holders
 from tpcompile.passes.rewrite_sizes import size_node
 from tpcompile.passes.rewrite_tokens import token_total
 from tpcompile.placement import REPLICATE, Shard, segment_ranges
@@ -73,7 +73,7 @@ def split_spec(em: Any, placement: Any, shape: Sequence[Any]) -> list:
     block = int(block)
     if placement.pieces:  # one of `pieces` pieces, shared by ws / pieces ranks
         n = block // placement.pieces
-        k = rank // (ws // placement.pieces)
+        k = rank // holders(ws, placement.pieces)
         runs = [(k * n, (k + 1) * n)]
     elif placement.cuts is not None:  # this rank's piece of each segment, from the segment's start (the positions
         layout, runs, start = dim_layout(placement, None, ws), [], 0  # of its zeros run on: their values stay zero)

@@ -109,7 +109,7 @@ def _reduce(o: _Ops, node: Node, lookup: Lookup) -> Node:
         out = o.call(tp.all_reduce.default, local, o.group)
         if combine == "mean" and padded:  # local means over padded slices: scale to the real size
             return o.call(aten.mul.Scalar, out, o.local[o.p.dim] / int(o.x.meta["val"].shape[o.p.dim]))
-        if combine == "sum" and even_pieces(o.p):  # each piece summed by every rank sharing it
+        if combine == "sum" and even_pieces(o.p, o.ws):  # each piece summed by every rank sharing it
             return o.call(aten.div.Scalar, out, o.ws // o.p.pieces)
         return o.call(aten.div.Scalar, out, o.ws) if combine == "mean" else out  # (in pieces too: ws x the mean)
     shape = [1, *node.meta["val"].shape]

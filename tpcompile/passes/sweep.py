@@ -152,7 +152,7 @@ class Sweep:
         inputs = node.all_input_nodes
         why, blame = res.conflict, res.blame
         if why is None:
-            why, blame = check_wants(res, self.placement, weight_args(node))
+            why, blame = check_wants(res, self.placement, self.rules.world_size, weight_args(node))
         if why and any(is_seq(self.placement(i)) for i in inputs):
             res, why, blame = gathering_seq(node, self.rules, self.placement, res, why, blame)
         # A conflicted op is taken as replicated for the rest of the sweep. That guess is what

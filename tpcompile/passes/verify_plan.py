@@ -15,7 +15,7 @@ from torch.fx import GraphModule, Node
 from tpcompile.errors import TPCompileError
 from tpcompile.passes.decisions import Decisions
 from tpcompile.passes.pass_context import describe, owner_path
-from tpcompile.layouts import dim_layout
+from tpcompile.layouts import binds, dim_layout
 from tpcompile.placement import segment_ranges, slice_placement
 
 REPORT = "this is a tpcompile bug; please report it with the model"
@@ -91,11 +91,11 @@ def check_tiling(name: str, shape: tuple, sl: Any, world_size: int) -> None:
 
 
 def _check_cuts(name: str, size: int, sl: Any, world_size: int, way_out: str) -> None:
-    """Raise unless each segment's bounds are in order and hold it, its pieces divide the world size, every rank
+    """Raise unless each segment's bounds are in order and hold it, every piece has a rank, every rank
     holds as much, and the ranks' real runs (a piece several ranks share counted once) tile the dim."""
     segs, cuts = tuple(sl.segments or ()), tuple(sl.cuts)
     if len(segs) != len(cuts) or sum(segs) != size or any(
-            len(c) < 2 or world_size % (len(c) - 1) or c[0] != 0 or c[-1] < s or list(c) != sorted(c)
+            len(c) < 2 or not binds(world_size, len(c) - 1) or c[0] != 0 or c[-1] < s or list(c) != sorted(c)
             for s, c in zip(segs, cuts)):
         raise TPCompileError(f"parameter {name}: cuts {cuts} do not fit segments {segs} of dim {sl.dim} (size "
                              f"{size}) at world size {world_size}; {way_out}")

@@ -32,7 +32,7 @@ def pointwise(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         if isinstance(p, Shard):
             targets.add(moved(p, p.dim + nout - len(ctx.shape(n))))
     # operands in shared pieces are cut locally to an even (or zero-padded) split's blocks, or to finer pieces
-    even = [t for t in targets if all(o == t or cut_from_shared(o, t) for o in targets)]
+    even = [t for t in targets if all(o == t or cut_from_shared(o, t, ctx.world_size) for o in targets)]
     if len(targets) > 1 and len(even) != 1:
         pieced = [n for n in inputs if isinstance(ctx.placement(n), Shard) and ctx.placement(n).pieces]
         return Result(REPLICATE, [Want(n, REPLICATE) for n in inputs], unpiece=pieced or None,

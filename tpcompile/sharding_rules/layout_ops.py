@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from torch.fx import Node
 
+from tpcompile.layouts import holders
 from tpcompile.placement import REPLICATE, Replicate, Shard, moved, pad_cuts, seg_cuts, split_dims
 from tpcompile.sharding_rules.dtensor_fallback import dtensor_result
 from tpcompile.sharding_rules.group_cuts import group_cuts
@@ -51,7 +52,7 @@ def repeat_interleave(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         segments = None if p.segments is None else tuple(s * repeats for s in p.segments)
         cuts = None if p.cuts is None else seg_cuts(segments, ctx.world_size, counts=p.counts(ctx.world_size))
         return Result(replace(p, segments=segments, cuts=cuts), [Want(x, p)])
-    share = ctx.world_size // p.pieces  # ranks holding each piece
+    share = holders(ctx.world_size, p.pieces)  # ranks holding each piece
     size = ctx.shape(x)[dim]
     if p.pieces == 1 and p.split_next is None and repeats % share:  # whole on every rank: repeated whole, each
         return Result(p, [Want(x, p)])  # rank later reading its part (its padded heads, sharding_rules/matmul.py)

@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 from torch.fx import Node
 
-from tpcompile.layouts import even_cuts, same_holdings
+from tpcompile.layouts import even_cuts, holders, same_holdings
 from tpcompile.placement import (PARTIAL, REPLICATE, Replicate, Shard, moved, pad_cuts, padded_size, param_cut,
                                  segmented)
 from tpcompile.sharding_rules.group_cuts import group_cuts
@@ -80,7 +80,7 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         # for them one to a rank, zero-padded (propagate's unpiece), before replicating
         return Result(REPLICATE, [Want(x, REPLICATE)], params=params, unpiece=[x],
                       conflict=f"input holds {px.pieces} pieces shared among {ctx.world_size} ranks; a row "
-                               f"split would count each piece {ctx.world_size // px.pieces} times")
+                               f"split would count each piece {holders(ctx.world_size, px.pieces)} times")
     if isinstance(px, Shard) and px.dim == len(xshape) - 1 and px.outer is None:
         params[w] = ParamSlice(in_dim, px.segments, cuts=px.cuts)
         # without a bias the sum stays pending until an op needs it whole (experts summed, then reduced once)

@@ -130,9 +130,9 @@ def _splittable(p: Any, world_size: int) -> bool:
         and (p.cuts is None or not p.rank_cuts and dim_layout(p, None, world_size).distinct)
 
 
-def even_pieces(p: Any) -> bool:
+def even_pieces(p: Any, world_size: int) -> bool:
     """One segment in equal pieces each shared by the same number of ranks, unpadded (heads fewer than the ranks)."""
-    return isinstance(p, Shard) and p.in_pieces and p.pieces > 1
+    return isinstance(p, Shard) and p.in_pieces and p.pieces > 1 and world_size % p.pieces == 0
 
 
 def reduced_dims(node: Node, spec: RuleSpec, nd: int) -> list[int]:
@@ -185,7 +185,7 @@ def _cannot(node: Node, spec: RuleSpec, ctx: RuleContext, p: Shard, dims: list[i
         if combine in ("sum", "mean") and p.rank_cuts and p.outer is None and isinstance(size, int) \
                 and dim_layout(p, size, ctx.world_size).distinct:
             return None  # each rank's own cut of every segment (a kv group's heads), its padding zeroed first
-        if combine in ("sum", "mean") and even_pieces(p):
+        if combine in ("sum", "mean") and even_pieces(p, ctx.world_size):
             return None  # each piece summed once per rank sharing it: the sum divided by their count
         if combine in ("var", "std") and p.plain_padded and dims == [p.dim] == [len(ctx.shape(node.args[0])) - 1]:
             return None  # each rank's moments over its real entries, merged with their counts (padding left out)

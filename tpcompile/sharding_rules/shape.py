@@ -8,6 +8,7 @@ import sympy
 import torch
 from torch.fx import Node
 
+from tpcompile.layouts import holders
 from tpcompile.placement import REPLICATE, Replicate, Shard, moved, segmented, shard, split_dims
 from tpcompile.sharding_rules.group_cuts import cuts_local, cuts_reshape, inferred, padded_groups
 from tpcompile.sharding_rules.grouped import cut_later, grouped, on_one, regroup
@@ -24,9 +25,7 @@ ALONG = {"dim_arg": int, "default_dim": int}  # ops acting along one dim: its ar
 def _passthrough(node: Node, ctx: RuleContext) -> Optional[Result]:
     """Replicated in, replicated out: the common case for every shape op."""
     x = node.args[0]
-    if isinstance(ctx.placement(x), Replicate):
-        return Result(REPLICATE, [Want(x, REPLICATE)])
-    return None
+    return Result(REPLICATE, [Want(x, REPLICATE)]) if isinstance(ctx.placement(x), Replicate) else None
 
 
 def _fail(node: Node, why: str) -> Result:
@@ -209,7 +208,7 @@ def expand(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     out = moved(p, p.dim + len(ctx.shape(node)) - len(ctx.shape(x)))
     ins, outs = ctx.shape(x), ctx.shape(node)
     nxt = p.dim + 1  # a dim broadcast right after a grouped one: split it within each piece
-    share = ctx.world_size // p.pieces if p.pieces else None
+    share = holders(ctx.world_size, p.pieces) if p.pieces else None
     if share and p.split_next is None and nxt < len(ins) and ins[nxt] == 1 and isinstance(outs[out.dim + 1], int) \
             and (outs[out.dim + 1] % share == 0 or spec.get("pad_within") and p.pieces == ins[p.dim]):
         out = replace(out, split_next=share)  # a group the sharing ranks do not divide: zero-padded (group_cuts.py)
