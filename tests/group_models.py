@@ -95,13 +95,15 @@ class GroupedKeyHeads(torch.nn.Module):
 class GatedGroupAttention(torch.nn.Module):
     """Grouped-query attention, 4 query heads of 8 over 2 kv heads, query and key normalised (`norms`: RMS over the
     whole projection, OLMoE's norms, which read no kv heads in pieces), its merged heads gated by a sigmoid of a
-    projection of the input before the output projection (Dory's gate)."""
+    projection of the input before the output projection (Dory's gate). `per_head`: the gate viewed as the heads
+    before they are merged (`view_as`) plus a bias per head (Beam's)."""
 
-    def __init__(self, norms: bool = True) -> None:
+    def __init__(self, norms: bool = True, per_head: bool = False) -> None:
         super().__init__()
-        self.norms = norms
+        self.norms, self.per_head = norms, per_head
         self.q, self.k, self.v = torch.nn.Linear(32, 32), torch.nn.Linear(32, 16), torch.nn.Linear(32, 16)
         self.gate, self.o = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+        self.gate_bias = torch.nn.Parameter(torch.randn(4)) if per_head else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -109,8 +111,11 @@ class GatedGroupAttention(torch.nn.Module):
         q, k = q.view(b, t, 4, 8).transpose(1, 2), k.view(b, t, 2, 8).transpose(1, 2)
         v = self.v(x).view(b, t, 2, 8).transpose(1, 2)
         k, v = (z[:, :, None].expand(b, 2, 2, t, 8).reshape(b, 4, t, 8) for z in (k, v))
-        h = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, 32)
-        return self.o(h * torch.sigmoid(self.gate(x)))
+        h = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        if self.per_head:
+            gate = self.gate(x).view_as(h) + self.gate_bias[None, None, :, None]
+            return self.o((h * torch.sigmoid(gate)).reshape(b, t, 32))
+        return self.o(h.reshape(b, t, 32) * torch.sigmoid(self.gate(x)))
 
 
 class KeyRepeatLinearAttention(torch.nn.Module):

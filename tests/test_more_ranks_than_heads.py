@@ -128,15 +128,18 @@ def test_key_heads_repeated_cut_their_value_heads_among_the_ranks_sharing_them(l
     _gradients_in_double(model, ws)
 
 
-@pytest.mark.parametrize("ws", [6, 8])
-def test_gate_of_heads_cut_within_kv_groups_is_cut_with_them(ws: int) -> None:
-    """2 kv heads at 6 and 8 ranks, no norm over a whole projection: each kv head in a piece shared by 3 or 4 ranks,
-    its 2 query heads cut among them, and the sigmoid gate of the merged heads cut as they are (one head a rank,
-    zeros past them; it was padded by one head, met them laid out otherwise, and the cut was given up for whole
-    groups: the largest rank held 2 query heads where 1 would do). One all-reduce, no warning, equal."""
+@pytest.mark.parametrize("ws", [5, 6, 8])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_gate_of_heads_cut_within_kv_groups_is_cut_with_them(per_head: bool, ws: int) -> None:
+    """2 kv heads at 5, 6 and 8 ranks, no norm over a whole projection: each kv head in a piece held by 3 or 4 ranks
+    (2 for kv head 1 at 5), its 2 query heads cut among them, and the sigmoid gate of the merged heads cut as they are
+    (one head a rank, zeros past them; it was padded by one head, met them laid out otherwise, and the cut was given
+    up for whole groups: the largest rank held 2 query heads where 1 would do). `per_head`: the gate viewed as the
+    heads before they merge, plus a bias per head (Beam's: view_as refused the cut heads, and the projections were
+    replicated with a warning). One all-reduce, no warning, equal."""
     torch.manual_seed(0)
-    sm = split(GatedGroupAttention(norms=False), ws, column=("q.weight", "k.weight", "v.weight", "gate.weight"),
-               row=("o.weight",), one_all_reduce=True)
+    sm = split(GatedGroupAttention(norms=False, per_head=per_head), ws,
+               column=("q.weight", "k.weight", "v.weight", "gate.weight"), row=("o.weight",), one_all_reduce=True)
     plans = sm.plan.parameters
     assert plans["gate.weight"].local_shape == plans["q.weight"].local_shape == (8, 32)
     assert plans["gate.weight"].cuts == plans["q.weight"].cuts is not None

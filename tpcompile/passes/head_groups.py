@@ -247,7 +247,8 @@ def projection(arg: object, ctx: PassContext) -> Optional[Node]:
         if is_projection(n, ctx):
             found.append(n)
             continue
-        todo.extend(n.all_input_nodes)
+        spec = n.meta.get("tp_rule")  # (a value reshaped as another: only its shape is read from that one)
+        todo.extend(n.args[:1] if spec is not None and spec.rule == "view_as" else n.all_input_nodes)
     return found[0] if len(found) == 1 else None
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch.fx import Node
 
 from tpcompile.placement import REPLICATE, Replicate, Shard
+from tpcompile.sharding_rules.group_cuts import cuts_local
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want
 from tpcompile.sharding_rules.shape import reshape_placement
@@ -22,7 +23,7 @@ def view_as(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
             return Result(REPLICATE, whole)
         return Result(REPLICATE, whole, conflict=f"whole value reshaped as {other.name}, which is split as {q}")
     out, why = reshape_placement(p, ctx.shape(x), ctx.shape(node), ctx.world_size)
-    if out is not None and (out.split_next or out.rank_cuts):
+    if out is not None and (out.split_next or out.rank_cuts and cuts_local(out, ctx.world_size) is None):
         out, why = None, f"reshape as {other.name} makes {out}, whose local sizes {other.name}'s shape may not give"
     if out is None:
         return Result(REPLICATE, whole, conflict=why)
