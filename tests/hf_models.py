@@ -254,7 +254,8 @@ def balanced_bytes(model: torch.nn.Module, sm: Any) -> int:
     """The largest rank's parameter bytes if every parameter the plan splits were split balanced by whole units.
 
     A unit is one head (head_dim features) for a split segment of an attention module's parameter whose size
-    is a multiple of head_dim; in a Mamba-2 mixer one Mamba head of its inner segments and one group of its B and
+    is a multiple of head_dim (a fused q|k|v the plan splits as one, interleaved per head, GPT-NeoX's: one head's
+    q, k and v, 3 x head_dim, as a rank computing a head needs all three); in a Mamba-2 mixer one Mamba head of its inner segments and one group of its B and
     C (`_mixer_unit`); in a module with block-diagonal weights (h, w, w) split by blocks (a recurrence's gates per
     head, RecurrentGemma's), one block of w (`_block_units`); one feature elsewhere. A segment of U units puts
     ceil(U / ws) of them on the largest rank. Parameters the plan keeps whole count whole. The reference for
@@ -280,8 +281,11 @@ def balanced_bytes(model: torch.nn.Module, sm: Any) -> int:
         attn = any(w in n.lower() for w in ("attn", "attention"))
         head_dim = head_dim_of(n)
         rest = math.prod(shape) // shape[pp.dim]
-        for seg in _projections(pp, ws) or (shape[pp.dim],):
+        segments = _projections(pp, ws)
+        for seg in segments or (shape[pp.dim],):
             unit = head_dim if attn and head_dim and seg % head_dim == 0 else 1
+            if unit > 1 and not segments and seg == 3 * head_dim * getattr(cfg, "num_attention_heads", 0):
+                unit = 3 * head_dim  # q|k|v interleaved per head
             if any(f".{m}." in n for m in ("mixer", "mamba")):
                 unit = mixer_unit(seg)
             block = next((w for k, w in blocks.items() if n.startswith(k + ".") and seg % w == 0), None)

@@ -111,6 +111,20 @@ def test_balanced_measure_takes_the_head_size_from_the_attention_module() -> Non
     assert balanced_bytes(model, sm) == param_bytes(model, sm)[0]
 
 
+def test_balanced_measure_counts_an_interleaved_qkv_by_whole_heads() -> None:
+    """GPT-NeoX's query_key_value holds q, k and v interleaved per head; at 8 ranks its 4 heads go one to 2 ranks, 48
+    rows each. A split balanced by heads can do no better (a rank computing a head needs its q, k and v): the
+    measure's unit there is one head's q, k and v, not one of them (which counted 32 rows a rank and called the
+    split 1.16 x balanced)."""
+    import tpcompile
+    from hf_models import balanced_bytes, param_bytes
+
+    model = zoo.zoo_build("gpt_neox")
+    sm = tpcompile.shard(model, 8, example_kwargs=zoo.zoo_inputs(model, *zoo.EXAMPLE, seed=1))
+    assert sm.plan.parameters["gpt_neox.layers.0.attention.query_key_value.weight"].local_shape == (48, 64)
+    assert balanced_bytes(model, sm) == param_bytes(model, sm)[0]
+
+
 class _NormedSplit(torch.nn.Module):
     """A projection normalised over its 16 features, then split into two runs of 8 (the sparse-attention indexer's
     key, rope | rest, DeepSeek-V3.2's): no head or segment is found behind the norm, so no split holds whole runs."""
