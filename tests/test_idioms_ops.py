@@ -97,6 +97,7 @@ IDIOMS = {
     "relative_bias": dict(bias="relative"),
     "gqa_repeat_interleave": dict(kv_heads=2),
     "gqa_rotary": dict(kv_heads=2, rope="interleaved"),
+    "gqa_complex_rotary": dict(kv_heads=2, rope="complex"),  # view_as_complex of kv heads in pieces (DTensor's rule)
 }
 
 

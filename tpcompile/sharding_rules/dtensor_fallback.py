@@ -96,7 +96,7 @@ class _Schema:
     """Builds DTensor's OpSchema arguments for one node and remembers which leaf is which input."""
 
     def __init__(self, node: Node, ctx: RuleContext) -> None:
-        self.ctx, self.mesh = ctx, _mesh(ctx.world_size)
+        self.ctx, self.mesh = ctx, _mesh(_mesh_size(node, ctx))
         self.inputs: list[Node] = []  # tensor inputs, in DTensor's leaf order
         self.shapes: list[torch.Size] = []  # their example shapes
         self.sizes: dict[Node, int] = {}  # size arguments (sym_size nodes) at their example values
@@ -147,6 +147,15 @@ class _Schema:
         return DTensorSpec(self.mesh, (placed,), TensorMeta(shape, tuple(stride), val.dtype))
 
 
+def _mesh_size(node: Node, ctx: RuleContext) -> int:
+    """The ranks DTensor is asked about: the pieces of an input in fewer equal pieces than ranks (4 heads at 8 ranks,
+    each piece held by 2: what a piece's ranks hold is a plain split over as many ranks as pieces, which DTensor's
+    view ops accept where they refuse 4 entries over 8), else the world size."""
+    pieces = {p.pieces for n in node.all_input_nodes
+              if ctx.is_tensor(n) and isinstance(p := ctx.placement(n), Shard) and p.in_pieces and p.pieces > 1}
+    return pieces.pop() if len(pieces) == 1 else ctx.world_size
+
+
 def _padded(p: Shard, ws: int) -> bool:
     """One segment zero-padded (heads, or `outer` repetitions of padded heads: batch x heads folded), or segments
     each zero-padded and cut into a piece a rank (q|k|v padded by whole heads)."""
@@ -190,7 +199,7 @@ def _propagate(node: Node, ctx: RuleContext) -> tuple[list[Node], Optional[tuple
     b = _Schema(node, ctx)
     args = tuple(b.arg(a) for a in node.args)
     kwargs = {k: b.arg(v) for k, v in node.kwargs.items()}
-    key = (op, ctx.world_size, tuple(b.key), tuple(node.kwargs))
+    key = (op, ctx.world_size, b.mesh.size(), tuple(b.key), tuple(node.kwargs))
     if key in _CACHE:
         return b.inputs, _CACHE[key]
     if len(b.layouts) > 1:
