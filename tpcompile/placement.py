@@ -182,7 +182,7 @@ def pad_cuts(padded: int, world_size: int) -> Cuts:
 
 
 def piece_cut(dim: int, size: int, pieces: int) -> ParamSlice:
-    """A parameter's dim of `size` cut into `pieces` equal pieces, each held by world_size / pieces ranks (kv heads
+    """A parameter's dim of `size` cut into `pieces` equal pieces, each held by `holders` ranks (kv heads
     fewer than the ranks): one segment, one even cut."""
     return ParamSlice(dim, (int(size),), cuts=(even_cuts(int(size), int(pieces)),))
 

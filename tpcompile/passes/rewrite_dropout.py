@@ -71,7 +71,7 @@ def split_spec(em: Any, placement: Any, shape: Sequence[Any]) -> list:
         total, inner = (0, 1) if found is None else found
         return [d, rng.EVEN, rank, ws, reps, total, inner]
     block = int(block)
-    if placement.pieces:  # one of `pieces` pieces, shared by ws / pieces ranks
+    if placement.pieces:  # one of `pieces` pieces, shared by `holders` ranks
         n = block // placement.pieces
         k = rank // holders(ws, placement.pieces)
         runs = [(k * n, (k + 1) * n)]
