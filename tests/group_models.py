@@ -207,3 +207,22 @@ class OneGroupHeads(torch.nn.Module):
         y = y.reshape(b, t, 32)
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6) * F.silu(self.z(inp))
         return self.o(y)
+
+
+class RepeatedMultiQuery(torch.nn.Module):
+    """GPTBigCode's multi-query attention: 4 query heads of 8 and one key and one value head from one fused
+    projection (unsqueezed, then split into q | k | v along the features), the key and value head repeated over the
+    query heads (`repeat_kv`: expand and reshape) before attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.o = torch.nn.Linear(32, 48), torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).unsqueeze(1).split((32, 8, 8), dim=3)
+        q = q.view(b, t, 4, 8).transpose(1, 2)
+        k, v = (z[:, :, None].expand(b, 1, 4, t, 8).reshape(b, 4, t, 8) for z in (k, v))
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()[None, None].expand(b, 1, t, t)
+        h = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o(h.transpose(1, 2).reshape(b, t, 32))

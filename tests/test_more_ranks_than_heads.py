@@ -15,7 +15,7 @@ import tpcompile
 from tpcompile.runtime import launch
 
 from group_models import (EagerGroupAttention, GatedGroupAttention, GroupedKeyHeads, GroupPadTokens, GroupSubNorm,
-                          KeyRepeatLinearAttention, OneGroupHeads, SharedRopeKeys)
+                          KeyRepeatLinearAttention, OneGroupHeads, RepeatedMultiQuery, SharedRopeKeys)
 from padded_checks import equal, parallel_diffs, shard, split
 from padded_models import (AlibiAttention, GatedAttention, GatedHeadNorm, GateViewAs, PairedHeads, RowsPerHead,
                            SlotHeads)
@@ -143,6 +143,22 @@ def test_gate_of_heads_cut_within_kv_groups_is_cut_with_them(per_head: bool, ws:
     plans = sm.plan.parameters
     assert plans["gate.weight"].local_shape == plans["q.weight"].local_shape == (8, 32)
     assert plans["gate.weight"].cuts == plans["q.weight"].cuts is not None
+
+
+@pytest.mark.parametrize("ws", [3, 5, 6, 8])
+def test_one_kv_head_repeated_meets_query_heads_in_pieces(ws: int) -> None:
+    """Multi-query attention from one fused q|k|v projection, the one key and value head repeated over the 4 query
+    heads (GPTBigCode's): at 8 ranks the query heads in pieces (each held by 2 ranks) met the repeated key and value
+    heads, whole on every rank; the attention asked for a plain split of the heads, lined up with neither, and the
+    whole attention was kept whole (GPTBigCode at 8 warned). Now the key and value heads are cut locally to the
+    query heads' pieces, and the query heads end zero-padded one a rank (2 a rank at 3), as the output projection's
+    row split asks. One all-reduce, no warning, equal, gradients too."""
+    torch.manual_seed(0)
+    model = RepeatedMultiQuery()
+    sm = split(model, ws, column=("qkv.weight",), row=("o.weight",), one_all_reduce=True)
+    assert sm.plan.parameters["qkv.weight"].local_shape == (-(-4 // ws) * 8 + 16, 32)  # its query heads, k and v
+    report = tpcompile.check_gradients(model.train(), sm, torch.randn(2, 7, 32))
+    assert report.ok, str(report)
 
 
 @pytest.mark.parametrize("ws", [3, 4, 6, 8])

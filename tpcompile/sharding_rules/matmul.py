@@ -245,8 +245,9 @@ def sdpa(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     # (the query's layout leads: keys and values laid out otherwise are blamed, so they are the ones kept whole)
     target = next((p for n in (q, k, v) if n not in one and isinstance(p := ctx.placement(n), Shard)
                    and p.dim == 1 and (p.plain or p.plain_padded or p.rank_cuts or _runs_of_heads(p, ctx))), None)
+    whole_piece = Shard(1, pieces=1)  # whole on every rank (one kv head repeated): cut locally to any pieces
     if target is None:  # heads fewer than the ranks, q, k and v alike in pieces: each piece's ranks compute it
-        held = {ctx.placement(n) for n in (q, k, v) if n not in one}
+        held = {ctx.placement(n) for n in (q, k, v) if n not in one and ctx.placement(n) != whole_piece}
         one_way = next(iter(held)) if len(held) == 1 else None
         target = one_way if isinstance(one_way, Shard) and one_way.dim == 1 and one_way.in_pieces \
             and one_way.pieces > 1 else Shard(1)
@@ -257,7 +258,7 @@ def sdpa(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
 
     for n in (k, v, mask, q):
         p = ctx.placement(n) if isinstance(n, Node) else None
-        shared = p == Shard(1, pieces=1) and target.plain_padded  # whole on every rank: its padded part is cut
+        shared = p == whole_piece and (target.plain_padded or target.in_pieces)  # whole on every rank: its part cut
         if isinstance(p, Shard) and p != target and n not in one and not shared and not alike(n):
             why = f"attention input sharded as {p}, expected whole heads (dim 1)"
             if n in (k, v) and p.dim == 1 and (p.plain_padded or p.pieces) and target.dim == 1 \
@@ -274,8 +275,9 @@ def sdpa(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         if n in one:  # one key / value head broadcast over every query head (multi-query): whole on each rank
             wants.append(Want(n, ctx.placement(n)) if ctx.placement(n) != REPLICATE else ctx.replicated_want(n, target))
             continue
-        whole = isinstance(ctx.placement(n), Replicate) or ctx.placement(n) == Shard(1, pieces=1)
-        if whole and heads % ctx.world_size and target.padded != padded_size(heads, ctx.world_size):
+        whole = isinstance(ctx.placement(n), Replicate) or ctx.placement(n) == whole_piece
+        if whole and heads % ctx.world_size and target.padded != padded_size(heads, ctx.world_size) \
+                and not (target.in_pieces and heads % target.pieces == 0):
             return Result(REPLICATE, [Want(m, REPLICATE) for m in tensors],
                           conflict=f"{heads} heads not divisible by world size {ctx.world_size}")
         wants.append(Want(n, ctx.placement(n) if alike(n) else target))
