@@ -264,10 +264,13 @@ def balanced_bytes(model: torch.nn.Module, sm: Any) -> int:
     cfg = model.config
     mixer_unit, blocks = _mixer_unit(cfg), _block_units(sm)
 
-    def head_dim_of(name: str) -> Optional[int]:  # an encoder-decoder's two stacks may differ in heads
+    def heads_of(name: str) -> Optional[int]:  # an encoder-decoder's two stacks may differ in heads
         side = next((f"{s}_attention_heads" for s in ("encoder", "decoder") if f"{s}." in name), None)
         heads = getattr(cfg, side, None) if side else None
-        heads = heads or getattr(cfg, "num_attention_heads", None)
+        return heads or getattr(cfg, "num_attention_heads", None)
+
+    def head_dim_of(name: str) -> Optional[int]:
+        heads = heads_of(name)
         found = getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads else None)
         return found or _module_head_dim(model, name)
 
@@ -284,7 +287,7 @@ def balanced_bytes(model: torch.nn.Module, sm: Any) -> int:
         segments = _projections(pp, ws)
         for seg in segments or (shape[pp.dim],):
             unit = head_dim if attn and head_dim and seg % head_dim == 0 else 1
-            if unit > 1 and not segments and seg == 3 * head_dim * getattr(cfg, "num_attention_heads", 0):
+            if unit > 1 and not segments and seg == 3 * head_dim * (heads_of(n) or 0):
                 unit = 3 * head_dim  # q|k|v interleaved per head
             if any(f".{m}." in n for m in ("mixer", "mamba")):
                 unit = mixer_unit(seg)
