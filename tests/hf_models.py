@@ -255,9 +255,10 @@ def balanced_bytes(model: torch.nn.Module, sm: Any) -> int:
 
     A unit is one head (head_dim features) for a split segment of an attention module's parameter whose size
     is a multiple of head_dim (a fused q|k|v the plan splits as one, interleaved per head, GPT-NeoX's: one head's
-    q, k and v, 3 x head_dim, as a rank computing a head needs all three); in a Mamba-2 mixer one Mamba head of its inner segments and one group of its B and
-    C (`_mixer_unit`); in a module with block-diagonal weights (h, w, w) split by blocks (a recurrence's gates per
-    head, RecurrentGemma's), one block of w (`_block_units`); one feature elsewhere. A segment of U units puts
+    q, k and v, 3 x head_dim, as a rank computing a head needs all three); in a Mamba-2 mixer one Mamba head of its
+    inner segments and one group of its B and C (`_mixer_unit`); in a module with block-diagonal weights (h, w, w)
+    split by blocks (a recurrence's gates per head, RecurrentGemma's), one block of w (`_block_units`); one feature
+    elsewhere. A segment of U units puts
     ceil(U / ws) of them on the largest rank. Parameters the plan keeps whole count whole. The reference for
     "within one unit of balanced".
     """
