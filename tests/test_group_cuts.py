@@ -60,6 +60,7 @@ def test_kv_heads_the_ranks_do_not_divide_are_held_by_runs_of_ranks(heads: int, 
     assert (k.role, k.local_shape, k.pieces) == ("column", (HEAD, 40), kv)
     kv_of = [[a // HEAD for a, _, _ in rank_pieces(k.slice(), kv * HEAD, r, ws)] for r in range(ws)]
     assert kv_of == [[0]] * holders[0] + [[1]] * holders[1]
+    assert split_text(k) == f"column@0 2 pieces ranks 0-{holders[0] - 1}|{holders[0]}-{ws - 1}"  # `tpcompile plan`
     held = [rank_pieces(q.slice(), heads * HEAD, r, ws) for r in range(ws)]
     assert sorted(i for runs in held for a, _, n in runs for i in range(a, a + n)) == list(range(heads * HEAD))
     assert all(a // HEAD // group == kv_of[r][0] for r in range(ws) for a, _, _ in held[r])  # with its kv head
