@@ -7,8 +7,8 @@ from typing import Any, Optional
 from torch.fx import Node
 
 from tpcompile.layouts import even_cuts, holders, same_holdings
-from tpcompile.placement import (PARTIAL, REPLICATE, Replicate, Shard, moved, pad_cuts, padded_size, param_cut,
-                                 segmented)
+from tpcompile.placement import (PARTIAL, REPLICATE, Replicate, Shard, cut_from_shared, moved, pad_cuts, padded_size,
+                                 param_cut, segmented)
 from tpcompile.sharding_rules.group_cuts import group_cuts
 from tpcompile.sharding_rules.pieces import piece_matmul
 from tpcompile.sharding_rules.registry import rule
@@ -258,7 +258,7 @@ def sdpa(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
 
     for n in (k, v, mask, q):
         p = ctx.placement(n) if isinstance(n, Node) else None
-        shared = p == whole_piece and (target.plain_padded or target.in_pieces)  # whole on every rank: its part cut
+        shared = p == whole_piece and cut_from_shared(p, target, ctx.world_size)  # whole on every rank: its part cut
         if isinstance(p, Shard) and p != target and n not in one and not shared and not alike(n):
             why = f"attention input sharded as {p}, expected whole heads (dim 1)"
             if n in (k, v) and p.dim == 1 and (p.plain_padded or p.pieces) and target.dim == 1 \
