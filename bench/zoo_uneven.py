@@ -9,6 +9,7 @@ section, which sits between the zoo_uneven markers of docs/architectures.md, zoo
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from collections import Counter
@@ -59,10 +60,21 @@ def verdict(row: dict[str, Any], base: Optional[dict[str, Any]],
     return True, ""
 
 
+# the upstream replication a warning names as its cause, itself a warning of the same run (passes/propagate.py)
+_CAUSE = re.compile(r"; its input is whole only because .*? replicated \(the root cause: .*\)(?=; replicating )")
+
+
+def warning_kind(warning: str) -> str:
+    """A warning's kind: its op and reason with names and numbers blanked (`failure_class`), without the upstream
+    replication it names as its cause; that is a warning of its own, and which one is named follows the order the
+    ops were judged in."""
+    return failure_class(_CAUSE.sub("", warning))
+
+
 def new_warnings(warnings: list[str], base: Optional[dict[str, Any]]) -> list[str]:
-    """The warnings whose kind (names and numbers blanked) `shard` did not warn at 2 or 4 ranks."""
-    seen = {failure_class(w) for r in (base or {}).get("ws", {}).values() for w in r.get("warnings", [])}
-    return [w for w in warnings if failure_class(w) not in seen]
+    """The warnings whose kind (`warning_kind`) `shard` did not warn at 2 or 4 ranks."""
+    seen = {warning_kind(w) for r in (base or {}).get("ws", {}).values() for w in r.get("warnings", [])}
+    return [w for w in warnings if warning_kind(w) not in seen]
 
 
 def render(rows: dict[str, Any], base: dict[str, Any], meta: dict[str, Any], world_size: int = WORLD_SIZE) -> str:

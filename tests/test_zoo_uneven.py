@@ -71,6 +71,25 @@ def test_a_kind_blanks_layouts_and_how_many_names() -> None:
     assert zoo_uneven.new_warnings([three.replace("needs R", "needs S(1)")], {"ws": {"2": {"warnings": [two]}}})
 
 
+def test_a_kind_leaves_out_the_cause_it_names() -> None:
+    """A warning that follows from an upstream replication names it as its cause; which one is named follows the
+    order the ops were judged in, and the cause is a warning of its own, so the kind leaves it out. The op and the
+    reason stay in the kind."""
+    at_two = "aten.matmul.default (matmul_3) at m.layers.1.idx: sharded along the contracted dim; its input is " \
+        "whole only because m.layers.0.idx.wk is replicated (the root cause: aten.matmul.default (matmul_1) at " \
+        "m.layers.0.idx: sharded along the contracted dim); replicating m.layers.1.idx.wq (results stay exact)"
+    at_five = "aten.matmul.default (matmul_3) at m.layers.1.idx: sharded along the contracted dim; its input is " \
+        "whole only because m.layers.0.idx.wk, m.layers.0.idx.wq are replicated (the root cause: " \
+        "aten.split_with_sizes.default (split_4) at m.layers.0.idx: split into [8, 8] cuts through the per-rank " \
+        "blocks [16] of dim 3 (S(3~20))); replicating m.layers.1.idx.wq (results stay exact)"
+    base = {"ws": {"2": {"warnings": [at_two]}}}
+    assert zoo_uneven.warning_kind(at_five) == zoo_uneven.warning_kind(at_two)
+    assert zoo_uneven.new_warnings([at_five], base) == []
+    other = at_five.replace("sharded along the contracted dim", "operands sharded differently")
+    assert zoo_uneven.new_warnings([other], base) == [other]
+    assert zoo_uneven.new_warnings([at_five.replace("matmul.default", "bmm.default")], base)
+
+
 class _Heads(torch.nn.Module):
     """Attention with 4 heads of 16 whose sizes only the module itself knows (`head_dim`)."""
 
