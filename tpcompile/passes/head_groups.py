@@ -41,16 +41,12 @@ import torch
 from torch.fx import GraphModule, Node
 
 from tpcompile.layouts import binds, holders
+from tpcompile.passes.head_projections import (_MATMUL, _SCORES, _WALK, SDPA, biases, gates, head_size,
+                                               kv_companions, projection)
 from tpcompile.passes.pass_context import PassContext
 from tpcompile.sharding_rules import RuleSpec
-from tpcompile.sharding_rules.rule_context import weight_view
 
-SDPA = (torch.ops.aten.scaled_dot_product_attention.default,)
-_MATMUL = (torch.ops.aten.matmul.default,)
 _TRANSPOSE = (torch.ops.aten.transpose.int,)
-_WALK = 64  # nodes visited back from an attention input before giving up
-_SCORES = 12  # nodes followed from the scores q @ k^T to the product with v
-_GATE_WALK = 12  # nodes followed from an attention's output to a gate of its merged heads
 
 
 def attentions(gm: GraphModule) -> list[tuple[Node, Node, Node, Node]]:
@@ -94,33 +90,11 @@ def _values(scores: Node) -> Optional[Node]:
     return found.pop() if len(found) == 1 else None
 
 
-def _gates(out: Node, width: int, found: list, ctx: PassContext) -> list[Node]:
-    """The projections whose output of `width` features multiplies the attention's output, its heads merged back
-    (through views, transposes and elementwise ops: AFMoE's, Dory's sigmoid gate): split as the query heads are."""
-    gates, todo, seen = [], [out], set()
-    while todo and len(seen) < _GATE_WALK:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        for u in n.users:
-            spec = u.meta.get("tp_rule")
-            if spec is None or spec.rule not in ("reshape", "transpose", "pointwise"):
-                continue
-            todo.append(u)
-            for i in u.all_input_nodes if spec.rule == "pointwise" else ():
-                proj = projection(i, ctx) if i is not n else None
-                if proj is not None and proj not in found and proj not in gates \
-                        and int(proj.meta["val"].shape[-1]) == width:
-                    gates.append(proj)
-    return gates
-
-
 def mark_head_groups(gm: GraphModule, ctx: PassContext) -> None:
     """Set `unit` on the query projection of each grouped-query attention best split by whole groups."""
     ws = ctx.world_size
     for out, q_arg, k_arg, v_arg in attentions(gm):
-        found = [projection(a, ctx) for a in (q_arg, k_arg, v_arg)]
+        found = [projection(a, ctx, head_size(a)) for a in (q_arg, k_arg, v_arg)]
         q_val = q_arg.meta.get("val")
         if any(f is None for f in found) or q_val is None:
             continue
@@ -144,12 +118,13 @@ def mark_head_groups(gm: GraphModule, ctx: PassContext) -> None:
         groups = 2 * -(-kv // ws) * rep + 2 * -(-kv // ws)  # q and o heads, k and v heads: padded groups
         replicated = 2 * -(-heads // ws) + 2 * kv  # q and o split by heads, k and v whole
         units = (rep * hd, hd, hd) if groups <= replicated else None  # q by whole groups; k and v padded by heads
-        gates = _gates(out, q, found, ctx) if units else []  # padded by whole groups as the query heads are
+        # a gate of the merged heads, a bias of the scores: (projection, head size), cut as the query heads are
+        beside = [(g, hd) for g in gates(out, q, found, ctx)] + biases(out, heads, found, ctx) if units else []
         # kv heads in pieces, each group's query heads cut among the ranks holding its kv head
         if _within(heads, kv, ws, min(groups, replicated)) and (not fused or kv > 1):
-            _split_groups(found, (k_arg, v_arg), kv, holders(ws, kv), hd, ctx, units, fused, gates)
+            _split_groups(found, (k_arg, v_arg), kv, holders(ws, kv), hd, ctx, units, fused, beside)
         elif units:
-            _set_units(found, fused, units, gates)
+            _set_units(found, fused, units, beside)
 
 
 def _within(heads: int, kv: int, ws: int, other: int) -> bool:
@@ -175,16 +150,17 @@ def _split_groups(found: list, kv_args: tuple, kv: int, share: int, hd: int, ctx
     `units`: the whole groups to fall back on (None: kv-head replication), should propagation blame one of the
     three projections (give_up_group_cuts)."""
     q, k, v = found
-    for proj in (q, *gates):  # a gate of the merged heads cut as the query heads are
-        add_args(proj, kv_groups=(kv, share, hd))
-    if not fused:
-        ctx.pieces[k] = ctx.pieces[v] = kv
+    for proj, head in ((q, hd), *gates):  # a gate of the merged heads, a bias of the scores: as the query heads
+        add_args(proj, kv_groups=(kv, share, head))
+    companions = [] if fused else kv_companions(kv_args, (k, v), kv, ctx)
+    for proj in () if fused else (k, v, *companions):
+        ctx.pieces[proj] = kv
     repeats = [n for arg, proj in zip(kv_args, (k, v)) for n in _between(arg, proj)
                if getattr(n.meta.get("tp_rule"), "rule", None) == "expand"]
     for n in repeats:
         add_args(n, pad_within=True)
-    for proj in (*found, *gates):
-        ctx.group_cuts[proj] = (tuple(found), tuple(repeats), units, fused, tuple(gates))
+    for proj in (*found, *(g for g, _ in gates), *companions):
+        ctx.group_cuts[proj] = (tuple(found), tuple(repeats), units, fused, tuple(gates), tuple(companions))
 
 
 def give_up_group_cuts(blamed: set, ctx: PassContext) -> set:
@@ -195,8 +171,8 @@ def give_up_group_cuts(blamed: set, ctx: PassContext) -> set:
     for o in blamed & set(ctx.group_cuts):
         if o not in ctx.group_cuts:  # given up with another projection of its attention
             continue
-        found, repeats, units, fused, gates = ctx.group_cuts[o]
-        for n in (*found, *repeats, *gates):
+        found, repeats, units, fused, gates, companions = ctx.group_cuts[o]
+        for n in (*found, *repeats, *(g for g, _ in gates), *companions):
             spec = n.meta["tp_rule"]
             n.meta["tp_rule"] = RuleSpec(spec.rule, {a: b for a, b in spec.args.items()
                                                      if a not in ("kv_groups", "pad_within", "grouped")})
@@ -227,39 +203,9 @@ def _between(arg: Node, proj: Node) -> list[Node]:
 
 def _set_units(found: list, fused: bool, units: tuple, gates: tuple = ()) -> None:
     """The query, key and value projections' units (of the fused projection, one per segment); a gate of the
-    merged heads gets the query's."""
+    merged heads, or a bias of the scores, (projection, head size), the query's group of heads of its size."""
+    group = units[0] // units[1]  # (query heads of a group x head size, head size, head size)
     for proj, unit in [*zip(found[:1] if fused else found, (units,) if fused else units),
-                       *((g, units[0]) for g in gates)]:
+                       *((g, group * head) for g, head in gates)]:
         spec = proj.meta["tp_rule"]
         proj.meta["tp_rule"] = RuleSpec(spec.rule, {**spec.args, "unit": unit})
-
-
-def projection(arg: object, ctx: PassContext) -> Optional[Node]:
-    """The one linear with a 2-D parameter weight that an attention input is computed from, if there is one."""
-    if not isinstance(arg, Node):
-        return None
-    todo, seen, found = [arg], set(), []
-    while todo and len(seen) < _WALK:
-        n = todo.pop(0)
-        if n in seen or n.op != "call_function":
-            continue
-        seen.add(n)
-        if is_projection(n, ctx):
-            found.append(n)
-            continue
-        spec = n.meta.get("tp_rule")  # (a value reshaped as another: only its shape is read from that one)
-        todo.extend(n.args[:1] if spec is not None and spec.rule == "view_as" else n.all_input_nodes)
-    return found[0] if len(found) == 1 else None
-
-
-def is_projection(node: Node, ctx: PassContext) -> bool:
-    """A weight matmul (a linear) whose weight is a 2-D parameter."""
-    spec = node.meta.get("tp_rule")
-    return spec is not None and spec.rule == "weight_matmul" and _has_weight(node, spec, ctx)
-
-
-def _has_weight(node: Node, spec: RuleSpec, ctx: PassContext) -> bool:
-    i = spec.get("weight")
-    w, _ = weight_view(node.args[i]) if i is not None and i < len(node.args) else (None, False)
-    t = ctx.tensors.get(w.target) if w is not None else None
-    return isinstance(t, torch.nn.Parameter) and t.dim() == 2

@@ -27,7 +27,8 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from tpcompile.passes.head_groups import add_args, is_projection, projection
+from tpcompile.passes.head_groups import add_args
+from tpcompile.passes.head_projections import is_projection, projection
 from tpcompile.passes.pass_context import PassContext, module_path
 from tpcompile.sharding_rules import RuleSpec
 
@@ -106,7 +107,7 @@ def _mark(path: str, reps: list[Node], heads: int, times: int, ctx: PassContext)
         else:
             args = {"kv_groups": (heads, share, unit), **({"grouped": grouped} if grouped else {})}
             add_args(proj, **args)
-        ctx.group_cuts[proj] = (found, tuple(reps), None, False, ())
+        ctx.group_cuts[proj] = (found, tuple(reps), None, False, (), ())
     for r in reps:
         add_args(r, pad_within=True)
 

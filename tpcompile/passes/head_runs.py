@@ -16,7 +16,7 @@ from typing import Optional
 from torch.fx import GraphModule, Node
 
 from tpcompile.passes.feature_walk import last_dim
-from tpcompile.passes.head_groups import SDPA, projection
+from tpcompile.passes.head_projections import SDPA, projection
 from tpcompile.passes.pass_context import PassContext
 from tpcompile.sharding_rules import RuleSpec
 

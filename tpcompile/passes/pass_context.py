@@ -27,7 +27,8 @@ class PassContext:
     # split reads them: it would count a shared piece once per rank holding it)
     unpieced: set[Node] = field(default_factory=set)
     # query, key and value projection -> (the three, the kv repeats, the whole groups to fall back on, fused, the
-    # gates of the merged heads): a kv group's query heads cut among the ranks sharing its kv head
+    # gates of the merged heads and biases of the scores with their head sizes, the projections of values per kv
+    # head beside k and v): a kv group's query heads cut among the ranks sharing its kv head
     # (passes/head_groups.py), until propagation blames them
     group_cuts: dict[Node, tuple] = field(default_factory=dict)
     param_slices: dict[str, Optional[ParamSlice]] = field(default_factory=dict)

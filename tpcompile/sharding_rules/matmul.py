@@ -88,7 +88,7 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         # the bias is added once, after the reduce; on token-split output its gradient is partial
         bias = [ctx.replicated_want(b, out)] if isinstance(b, Node) else []
         return Result(out, [Want(x, px)] + bias, role="row", params=params)
-    if _batch_split(px, xshape, b):
+    if _batch_split(px, xshape, b, ctx.world_size):
         # split on a dim the weight does not touch (heads of `states @ W`): each rank applies the whole weight
         # to its rows; the weight's gradient is a summand on each rank, summed over them
         return Result(px, [Want(x, px), ctx.replicated_want(w, px)], params=params,
@@ -129,11 +129,14 @@ def _runs_of_heads(p: Shard, ctx: RuleContext) -> bool:
         and not p.fewer(ctx.world_size)
 
 
-def _batch_split(px: Any, xshape: Any, bias: Any) -> bool:
-    """An input split (plainly, or zero-padded when no bias makes the padding non-zero) on a leading dim of x @ W."""
-    return isinstance(px, Shard) and xshape is not None and px.dim < len(xshape) - 1 and not px.seq \
-        and px.segments is None and px.pieces is None and px.outer is None \
-        and (px.padded is None or not isinstance(bias, Node))
+def _batch_split(px: Any, xshape: Any, bias: Any, world_size: int) -> bool:
+    """An input split on a leading dim of x @ W, each rank rows of its own (plainly, in segments, or cut per rank:
+    heads cut within kv groups), zero-padded only when no bias makes the padding non-zero."""
+    if not isinstance(px, Shard) or xshape is None or px.dim >= len(xshape) - 1 or px.seq or px.pieces is not None \
+            or px.outer is not None or px.fewer(world_size):
+        return False
+    padded = px.padded is not None or px.cuts is not None and any(c[-1] != s for s, c in zip(px.segments, px.cuts))
+    return not padded or not isinstance(bias, Node)
 
 
 def _unit(size: int, d: Optional[int]) -> int:
