@@ -68,15 +68,24 @@ def test_kv_heads_the_ranks_do_not_divide_are_held_by_runs_of_ranks(heads: int, 
     _exact(model, sm, torch.randn(3, 13, 40), torch.randn(2, 9, 40))
 
 
-def test_kv_heads_the_ranks_do_not_divide_stay_padded_where_the_last_holders_fall_short() -> None:
-    """6 heads on 2 kv heads at 5 ranks: the 2 ranks left for kv head 1 would need its 3 query heads at 2 a rank
-    where the 3 holding kv head 0 hold 1: padded by whole groups as before (one group a rank), exact."""
-    model = _net(6, 2, head_dim=HEAD, width=40)
-    sm, warned = _shard(model, 5)
+@pytest.mark.parametrize("heads, kv, ws", [(6, 2, 5), (12, 2, 5), (8, 2, 7)])
+def test_the_last_holders_fewer_ranks_set_every_ranks_share(heads: int, kv: int, ws: int) -> None:
+    """6 heads on 2 kv heads at 5 ranks: the 2 ranks holding kv head 1 need its 3 query heads at 2 a rank, so every
+    rank holds 2 (ranks 0-2 hold kv head 0's 3 as 2 | 1 | zeros), one kv head a rank: 2 + 2 + 1 + 1 heads a rank
+    against whole groups' 3 + 3 + 1 + 1 (before: padded by whole groups, the last ranks could not hold their group
+    at the first ranks' 1 a rank). 12 on 2 at 5 (3 a rank, against kv-head replication's 3 + 3 + 2 + 2), 8 on 2
+    at 7 (ranks 0-3 and 4-6: 2 a rank, against 2 + 2 + 2 + 2). No warning, exact forward and gradients."""
+    model = _net(heads, kv, head_dim=HEAD, width=40)
+    sm, warned = _shard(model, ws)
     assert not warned, [str(w.message) for w in warned]
+    share, group = -(-ws // kv), heads // kv
+    per = -(-group // (ws - (kv - 1) * share))
     q, k = sm.plan.parameters["blocks.0.attn.q.weight"], sm.plan.parameters["blocks.0.attn.k.weight"]
-    assert (q.local_shape, q.cuts, k.local_shape, k.pieces) == ((3 * HEAD, 40), ((0, 12, 24, 36, 48, 60),),
-                                                                (HEAD, 40), None)
+    assert (q.local_shape, q.cuts) == ((per * HEAD, 40), group_cuts(kv, group * HEAD, HEAD, share, ws))
+    assert (k.local_shape, k.pieces) == ((HEAD, 40), kv)
+    held = [rank_pieces(q.slice(), heads * HEAD, r, ws) for r in range(ws)]
+    assert sorted(i for runs in held for a, _, n in runs for i in range(a, a + n)) == list(range(heads * HEAD))
+    assert all(a // HEAD // group == r // share for r in range(ws) for a, _, _ in held[r])  # with its kv head
     _exact(model, sm, torch.randn(3, 13, 40), torch.randn(2, 9, 40))
 
 
@@ -259,13 +268,13 @@ def test_the_zero_heads_get_no_gradient() -> None:
 
 @pytest.mark.gloo
 @pytest.mark.parametrize("model, tp, heads, bound", [("llama", 4, 6, 0.35), ("phi3", 4, 6, 0.4),
-                                                     ("llama", 5, 4, 0.3)])
+                                                     ("llama", 5, 4, 0.3), ("llama", 5, 6, 0.3)])
 def test_training_under_torchrun_equals_one_process(model: str, tp: int, heads: int, bound: float) -> None:
     """examples/train_hybrid.py at tp 4 under torchrun (4 gloo processes) on a Llama with 6 heads on 2 kv heads
     (groups of 3 cut 2 | 1 between the 2 ranks sharing each kv head), or a Phi-3 (one qkv_proj, cut alike), and at
-    tp 5 on a Llama with 4 heads on 2 kv heads (held by ranks 0-2 and 3-4): the single process's losses, step after
-    step, and each rank under `bound` of the parameters (the Llama's 0.32 at 4: each kv head is held by 2 ranks,
-    the groups padded)."""
+    tp 5 on a Llama with 4 or 6 heads on 2 kv heads (held by ranks 0-2 and 3-4; 6 heads: 2 a rank, as the last 2
+    ranks need): the single process's losses, step after step, and each rank under `bound` of the parameters (the
+    Llama's 0.32 at 4: each kv head is held by 2 ranks, the groups padded)."""
     from hybrid_matrix import TOLERANCE, layout_args, run_example, worst_relative
 
     args = ["--model", f"hf:{model}", "--config", f"num_attention_heads={heads}", "--config", "num_key_value_heads=2",

@@ -112,12 +112,13 @@ def test_padded_heads_gradients_agree() -> None:
 
 
 def test_kv_heads_that_cannot_line_up_are_replicated_by_choice() -> None:
-    """12 query heads on 2 kv heads at 5 ranks: query heads padded to 15, 3 a rank; whole groups of 6 would hold
-    more, so each rank keeps both kv heads (kv-head replication), without a warning."""
-    model = _net(12, 2, head_dim=4, width=40)
-    sm, warned = _shard(model, 5)
+    """14 query heads on 2 kv heads at 7 ranks: query heads 2 a rank; whole groups of 7 would hold more, each group
+    cut among the ranks holding its kv head no less (the 3 holding kv head 1 need 3 a rank: 3 + 3 + 1 + 1 heads of
+    q, o, k and v against 2 + 2 + 2 + 2), so each rank keeps both kv heads (kv-head replication), no warning."""
+    model = _net(14, 2, head_dim=4, width=40)
+    sm, warned = _shard(model, 7)
     assert not warned, [str(w.message) for w in warned]
-    assert sm.plan.parameters["blocks.0.attn.q.weight"].local_shape == (12, 40)
+    assert sm.plan.parameters["blocks.0.attn.q.weight"].local_shape == (8, 40)
     assert sm.plan.parameters["blocks.0.attn.k.weight"].role == "replicated"
     why = sm.plan.replicated["blocks.0.attn.k"]
     assert "kv-head replication" in why and "do not line up with the query heads" in why

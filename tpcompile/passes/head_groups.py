@@ -45,6 +45,7 @@ from tpcompile.passes.head_projections import (_MATMUL, _SCORES, _WALK, SDPA, bi
                                                kv_companions, projection)
 from tpcompile.passes.pass_context import PassContext
 from tpcompile.sharding_rules import RuleSpec
+from tpcompile.sharding_rules.group_cuts import per_rank
 
 _TRANSPOSE = (torch.ops.aten.transpose.int,)
 
@@ -130,14 +131,12 @@ def mark_head_groups(gm: GraphModule, ctx: PassContext) -> None:
 def _within(heads: int, kv: int, ws: int, other: int) -> bool:
     """True when kv heads in pieces, each group's query heads cut among the ranks holding its kv head, is the split:
     the ranks divide the kv heads, or else (2 kv heads at 5 ranks: held by ranks 0-2 and 3-4, `layouts.holders`)
-    every piece has ranks, the last piece's fewer ranks still hold its group at the others' share, and a rank
-    holds fewer heads so (q and o, k and v) than `other`, the heads a rank holds padded by whole groups or with
-    the kv heads whole."""
+    every piece has ranks and a rank holds fewer heads so (q and o, as many as the last piece's fewer ranks need,
+    `group_cuts.per_rank`; k and v) than `other`, the heads a rank holds padded by whole groups or with the kv
+    heads whole."""
     if ws % kv == 0:
         return True
-    share, rep = holders(ws, kv), heads // kv
-    per = -(-rep // share)
-    return binds(ws, kv) and per * (ws - (kv - 1) * share) >= rep and 2 * per + 2 < other
+    return binds(ws, kv) and 2 * per_rank(heads // kv, holders(ws, kv), kv, ws) + 2 < other
 
 
 def _split_groups(found: list, kv_args: tuple, kv: int, share: int, hd: int, ctx: PassContext,

@@ -13,26 +13,58 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional, Sequence
 
-from tpcompile.layouts import dim_layout
+from tpcompile.layouts import dim_layout, holders
 from tpcompile.placement import Cuts, Shard
 from tpcompile.sharding_rules.rule_context import Size, prod, sizes_equal
 
 
 def group_cuts(groups: int, size: int, unit: int, share: int, world_size: int) -> Cuts:
     """The cuts of `groups` segments of `size` elements (whole units of `unit`), segment k split among the `share`
-    ranks k * share ... (k + 1) * share - 1 only, each holding ceil(units / share) units (the last ones zeros): a
-    kv group's query heads split within the ranks that share its kv head (3 heads at 2 ranks: 2 | 1 and a zero
-    head)."""
-    per = -(-(size // unit) // share) * unit
+    ranks k * share ... (k + 1) * share - 1 only (the last segment among the ranks left), each holding `per_rank`
+    units (the last ones zeros): a kv group's query heads split within the ranks that share its kv head (3 heads
+    at 2 ranks: 2 | 1 and a zero head)."""
+    per = per_rank(size // unit, share, groups, world_size) * unit
     return tuple(tuple(min(max(r - k * share, 0), share) * per for r in range(world_size + 1))
                  for k in range(groups))
+
+
+def per_rank(units: int, share: int, groups: int, world_size: int) -> int:
+    """The units every rank holds of its group when each of `groups` groups of `units` is cut among the `share`
+    ranks holding it: as many as the fewest ranks holding a group need (the last group's, when the groups do not
+    divide the ranks: 3 heads at 5 ranks for 2 groups, ranks 0-2 and 3-4, are 2 a rank), so that every rank's
+    share has one size."""
+    return -(-units // min(share, world_size - (groups - 1) * share))
+
+
+def even_within(units: int, share: int, groups: int, world_size: int) -> bool:
+    """True when every group's units split evenly among the ranks holding it (all groups held by `share` ranks)."""
+    return units % share == 0 and groups * share == world_size
+
+
+def expand_within(p: Shard, out: Shard, ins: Sequence[Size], outs: Sequence[Size], pad_within: bool,
+                  ws: int) -> tuple[Shard, list]:
+    """An expand's output split `out` and its sizes to localize: a dim of 1 right after kv heads in pieces,
+    broadcast to a group, is split within each piece (`split_next`) where the group splits evenly among the ranks
+    holding each piece, or, for repeats marked `pad_within`, `per_rank` a rank, zero-padded."""
+    nxt = p.dim + 1
+    share = holders(ws, p.pieces) if p.pieces else None
+    if share and p.split_next is None and nxt < len(ins) and ins[nxt] == 1 and isinstance(outs[out.dim + 1], int) \
+            and (even_within(outs[out.dim + 1], share, p.pieces, ws) or pad_within and p.pieces == ins[p.dim]):
+        out = replace(out, split_next=share)
+    loc = [("shape", 1, out.dim, out.pieces)]
+    if out.split_next:
+        group = outs[out.dim + 1]
+        loc.append(("shape", 1, out.dim + 1, out.split_next) if even_within(group, share, p.pieces, ws)
+                   else ("shape_set", 1, (out.dim + 1, per_rank(group, share, p.pieces, ws)), None))
+    return out, loc
 
 
 def padded_groups(p: Shard, ins: Sequence[Size], ws: int) -> Optional[Shard]:
     """(kv heads in pieces, group split within each piece) merged into one heads dim, as explicit cuts, when the
     ranks sharing a piece do not divide the group (one kv head a piece); else None."""
     kv, group = ins[p.dim], ins[p.dim + 1]
-    if not isinstance(kv, int) or not isinstance(group, int) or p.pieces != kv or group % p.split_next == 0:
+    if not isinstance(kv, int) or not isinstance(group, int) or p.pieces != kv \
+            or even_within(group, p.split_next, kv, ws):
         return None
     return Shard(p.dim, (group,) * kv, cuts=group_cuts(kv, group, 1, p.split_next, ws))
 

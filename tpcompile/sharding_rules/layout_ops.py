@@ -17,7 +17,7 @@ from torch.fx import Node
 from tpcompile.layouts import holders
 from tpcompile.placement import REPLICATE, Replicate, Shard, moved, pad_cuts, seg_cuts, split_dims
 from tpcompile.sharding_rules.dtensor_fallback import dtensor_result
-from tpcompile.sharding_rules.group_cuts import group_cuts
+from tpcompile.sharding_rules.group_cuts import even_within, group_cuts, per_rank
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim
 from tpcompile.sharding_rules.table import RuleSpec
@@ -56,13 +56,14 @@ def repeat_interleave(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     size = ctx.shape(x)[dim]
     if p.pieces == 1 and p.split_next is None and repeats % share:  # whole on every rank: repeated whole, each
         return Result(p, [Want(x, p)])  # rank later reading its part (its padded heads, sharding_rules/matmul.py)
-    if spec.get("pad_within") and p.split_next is None and size == p.pieces and repeats % share:
+    even = even_within(repeats, share, p.pieces, ctx.world_size)
+    if spec.get("pad_within") and p.split_next is None and size == p.pieces and not even:
         # one head a piece, its repeats cut among the ranks sharing it, zero-padded (passes/head_repeats.py marks
-        # it): each rank repeats its head ceil(r / share) times, the copies past the group are padding
+        # it): each rank repeats its head per_rank times, the copies past the group are padding
         cuts = group_cuts(p.pieces, repeats, 1, share, ctx.world_size)
         return Result(Shard(dim, (repeats,) * p.pieces, seq=p.seq, cuts=cuts), [Want(x, p)],
-                      localize=[("set", i, -(-repeats // share), None)])
-    if p.split_next is not None or not isinstance(size, int) or size != p.pieces or repeats % share:
+                      localize=[("set", i, per_rank(repeats, share, p.pieces, ctx.world_size), None)])
+    if p.split_next is not None or not isinstance(size, int) or size != p.pieces or not even:
         return replace(_fail(x, f"{size} entries in {p.pieces} pieces repeated {repeats} times do not give each of "
                                 f"the {share} ranks sharing a piece whole entries of its own"), unpiece=[x])
     return Result(Shard(dim, seq=p.seq), [Want(x, p)], localize=[("split", i, None, share)])

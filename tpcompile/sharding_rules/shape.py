@@ -8,9 +8,8 @@ import sympy
 import torch
 from torch.fx import Node
 
-from tpcompile.layouts import holders
 from tpcompile.placement import REPLICATE, Replicate, Shard, moved, segmented, shard, split_dims
-from tpcompile.sharding_rules.group_cuts import cuts_local, cuts_reshape, inferred, padded_groups
+from tpcompile.sharding_rules.group_cuts import cuts_local, cuts_reshape, expand_within, inferred, padded_groups
 from tpcompile.sharding_rules.grouped import cut_later, grouped, on_one, regroup
 from tpcompile.sharding_rules.padded import padded_reshape, split_cut_segments
 from tpcompile.sharding_rules.registry import rule
@@ -206,17 +205,7 @@ def expand(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     x = node.args[0]
     p = ctx.placement(x)
     out = moved(p, p.dim + len(ctx.shape(node)) - len(ctx.shape(x)))
-    ins, outs = ctx.shape(x), ctx.shape(node)
-    nxt = p.dim + 1  # a dim broadcast right after a grouped one: split it within each piece
-    share = holders(ctx.world_size, p.pieces) if p.pieces else None
-    if share and p.split_next is None and nxt < len(ins) and ins[nxt] == 1 and isinstance(outs[out.dim + 1], int) \
-            and (outs[out.dim + 1] % share == 0 or spec.get("pad_within") and p.pieces == ins[p.dim]):
-        out = replace(out, split_next=share)  # a group the sharing ranks do not divide: zero-padded (group_cuts.py)
-    loc = [("shape", 1, out.dim, out.pieces)]
-    if out.split_next:
-        group = outs[out.dim + 1]
-        loc.append(("shape", 1, out.dim + 1, out.split_next) if group % share == 0 else
-                   ("shape_set", 1, (out.dim + 1, -(-group // share)), None))
+    out, loc = expand_within(p, out, ctx.shape(x), ctx.shape(node), bool(spec.get("pad_within")), ctx.world_size)
     return Result(out, [Want(x, p)], localize=loc)
 
 
