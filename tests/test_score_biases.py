@@ -5,31 +5,19 @@ that k or v is multiplied by (TappedKeyAttention) as the kv heads. Replicated wi
 padded by whole groups, before."""
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 import tpcompile
 from tpcompile.sharding_rules.group_cuts import group_cuts
 
+from padded_checks import equal, shard
 from score_models import HEAD, HEADS, KV, REL, RelativeBiasAttention, TappedKeyAttention
-
-
-def _shard(model: torch.nn.Module, ws: int) -> tuple[tpcompile.ShardedModel, list]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        sm = tpcompile.shard(model, ws, example_inputs=(torch.randn(2, 8, 32),))
-    return sm, [str(w.message) for w in caught if issubclass(w.category, tpcompile.TPCompileWarning)]
 
 
 def _exact(model: torch.nn.Module, sm: tpcompile.ShardedModel) -> None:
     """Every rank's output equals the model's on another batch and length, and every gradient agrees."""
-    x = torch.randn(3, 11, 32)
-    with torch.no_grad():
-        ref = model(x)
-        for out in tpcompile.simulate(sm, x):
-            torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    equal(model, sm)
     report = tpcompile.check_gradients(model.train(), sm, torch.randn(2, 9, 32))
     assert report.ok, str(report)
 
@@ -42,7 +30,7 @@ def test_a_bias_of_the_scores_is_cut_as_the_query_heads(eager: bool, ws: int) ->
     the output's), exact forward and gradients."""
     torch.manual_seed(0)
     model = RelativeBiasAttention(eager).eval()
-    sm, warned = _shard(model, ws)
+    sm, warned = shard(model, ws)
     assert not warned, warned
     share, group = -(-ws // KV), HEADS // KV
     q, r, k = (sm.plan.parameters[f"{n}.weight"] for n in ("q", "r", "k"))
@@ -61,7 +49,7 @@ def test_a_projection_per_kv_head_beside_the_key_is_cut_with_the_kv_heads(summed
     query heads), the query heads cut within the kv groups; no warning, exact forward and gradients."""
     torch.manual_seed(0)
     model = TappedKeyAttention(summed).eval()
-    sm, warned = _shard(model, ws)
+    sm, warned = shard(model, ws)
     assert not warned, warned
     share, group = -(-ws // KV), HEADS // KV
     q = sm.plan.parameters["q.weight"]
