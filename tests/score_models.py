@@ -13,9 +13,9 @@ class RelativeBiasAttention(torch.nn.Module):
     """Each query head's scores plus a bias by distance that its token chooses: `r` gives each token REL states per
     head, a bank of REL profiles over EXTENT distances turns them into a bias per distance, gathered by the distance
     of each key (0 past EXTENT); `eager`: attention written out (q @ k^T, the bias and a causal mask added, a
-    softmax, @ v), else the bias as scaled_dot_product_attention's mask."""
+    softmax, @ v; "first": the scores added to the bias), else the bias as scaled_dot_product_attention's mask."""
 
-    def __init__(self, eager: bool = False) -> None:
+    def __init__(self, eager: object = False) -> None:
         super().__init__()
         self.eager = eager
         self.q, self.o = torch.nn.Linear(32, HEADS * HEAD), torch.nn.Linear(HEADS * HEAD, 32)
@@ -34,7 +34,10 @@ class RelativeBiasAttention(torch.nn.Module):
         bias = logits.gather(-1, distance.clamp(0, EXTENT - 1).expand(b, HEADS, t, t))
         bias = bias.masked_fill((distance < 0) | (distance >= EXTENT), 0.0)
         causal = torch.full((t, t), float("-inf"), device=x.device).triu(1)
-        if self.eager:
+        if self.eager == "first":
+            scores = (bias + causal) + torch.matmul(q, k.transpose(2, 3)) * HEAD ** -0.5
+            h = torch.matmul(scores.softmax(-1), v)
+        elif self.eager:
             scores = torch.matmul(q, k.transpose(2, 3)) * HEAD ** -0.5 + bias + causal
             h = torch.matmul(scores.softmax(-1), v)
         else:

@@ -23,8 +23,8 @@ def _exact(model: torch.nn.Module, sm: tpcompile.ShardedModel) -> None:
 
 
 @pytest.mark.parametrize("ws", [5, 6])
-@pytest.mark.parametrize("eager", [False, True], ids=["sdpa", "eager"])
-def test_a_bias_of_the_scores_is_cut_as_the_query_heads(eager: bool, ws: int) -> None:
+@pytest.mark.parametrize("eager", [False, True, "first"], ids=["sdpa", "eager", "bias_first"])
+def test_a_bias_of_the_scores_is_cut_as_the_query_heads(eager: object, ws: int) -> None:
     """The bias projection holds each rank's query heads' states (one query head a rank, REL states each), cut within
     the kv groups as q is; the bank whole, applied to the rank's heads; no warning, two all-reduces (one a block and
     the output's), exact forward and gradients."""

@@ -42,12 +42,11 @@ from torch.fx import GraphModule, Node
 
 from tpcompile.layouts import binds, holders
 from tpcompile.passes.head_projections import (_MATMUL, _SCORES, _WALK, SDPA, biases, gates, head_size,
-                                               kv_companions, projection)
+                                               kv_companions, projection, transposed)
 from tpcompile.passes.pass_context import PassContext
 from tpcompile.sharding_rules import RuleSpec
 from tpcompile.sharding_rules.group_cuts import per_rank
 
-_TRANSPOSE = (torch.ops.aten.transpose.int,)
 
 
 def attentions(gm: GraphModule) -> list[tuple[Node, Node, Node, Node]]:
@@ -57,19 +56,11 @@ def attentions(gm: GraphModule) -> list[tuple[Node, Node, Node, Node]]:
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in SDPA and len(node.args) >= 3:
             out.append((node, *node.args[:3]))
-        elif node.op == "call_function" and node.target in _MATMUL and _transposed(node.args[1]):
+        elif node.op == "call_function" and node.target in _MATMUL and transposed(node.args[1]):
             product = _values(node)
             if product is not None:
                 out.append((product, node.args[0], node.args[1].args[0], product.args[1]))
     return [t for t in out if all(isinstance(a, Node) for a in t)]
-
-
-def _transposed(n: object) -> bool:
-    """k^T: a transpose of the last two dims of a 4-D value."""
-    if not isinstance(n, Node) or n.target not in _TRANSPOSE or not isinstance(n.args[0], Node):
-        return False
-    val = n.args[0].meta.get("val")
-    return val is not None and val.dim() == 4 and sorted(d % 4 for d in n.args[1:3]) == [2, 3]
 
 
 def _values(scores: Node) -> Optional[Node]:

@@ -14,6 +14,7 @@ from tpcompile.sharding_rules.rule_context import weight_view
 
 SDPA = (torch.ops.aten.scaled_dot_product_attention.default,)
 _MATMUL = (torch.ops.aten.matmul.default,)
+_TRANSPOSE = (torch.ops.aten.transpose.int,)
 _WALK = 64  # nodes visited back from an attention input before giving up
 _SCORES = 12  # nodes followed from the scores q @ k^T to the product with v
 _GATE_WALK = 12  # nodes followed from an attention's output to a gate of its merged heads
@@ -41,7 +42,6 @@ def gates(out: Node, width: int, found: list, ctx: PassContext) -> list[Node]:
     return gates
 
 
-
 def biases(out: Node, heads: int, found: list, ctx: PassContext) -> list[tuple[Node, int]]:
     """(projection, its head size) of each term added to the attention's scores that a projection of `heads` heads
     computes, one per query head (Inkling's relative-position bias, r_proj's per-head states through a bank of
@@ -51,12 +51,7 @@ def biases(out: Node, heads: int, found: list, ctx: PassContext) -> list[tuple[N
     if out.target in SDPA:
         terms = [out.args[3] if len(out.args) > 3 else out.kwargs.get("attn_mask")]
     else:
-        terms, n = [], out.args[0]
-        for _ in range(_SCORES):
-            if not isinstance(n, Node) or n.target in _MATMUL or not n.all_input_nodes:
-                break
-            terms += n.all_input_nodes[1:]
-            n = n.all_input_nodes[0]
+        terms = _score_terms(out)
     biases: list = []
     for term in terms:
         proj = projection(term, ctx)
@@ -70,6 +65,35 @@ def biases(out: Node, heads: int, found: list, ctx: PassContext) -> list[tuple[N
     return biases
 
 
+def _score_terms(out: Node) -> list[Node]:
+    """The operands met on the way from a written-out attention's scores (q @ k^T) to its product with v, in either
+    order: the ops within _SCORES of the product that the scores reach, and their other inputs."""
+    back, todo, scores = set(), [(out.args[0], 0)], None
+    while todo:
+        n, depth = todo.pop()
+        if not isinstance(n, Node) or n in back or depth > _SCORES:
+            continue
+        back.add(n)
+        if n.target in _MATMUL and transposed(n.args[1]):
+            scores = n
+            continue
+        todo += [(i, depth + 1) for i in n.all_input_nodes]
+    path, todo = set(), [scores] if scores is not None else []
+    while todo:
+        for u in todo.pop().users:
+            if u in back and u not in path:
+                path.add(u)
+                todo.append(u)
+    return [i for n in path for i in n.all_input_nodes if i not in path and i is not scores]
+
+
+def transposed(n: object) -> bool:
+    """k^T: a transpose of the last two dims of a 4-D value."""
+    if not isinstance(n, Node) or n.target not in _TRANSPOSE or not isinstance(n.args[0], Node):
+        return False
+    val = n.args[0].meta.get("val")
+    return val is not None and val.dim() == 4 and sorted(d % 4 for d in n.args[1:3]) == [2, 3]
+
 
 def kv_companions(kv_args: tuple, kv_projs: tuple, kv: int, ctx: PassContext) -> list[Node]:
     """The projections beside the key and value projections upstream of the attention's k and v whose outputs are
@@ -81,12 +105,10 @@ def kv_companions(kv_args: tuple, kv_projs: tuple, kv: int, ctx: PassContext) ->
     return out
 
 
-
 def head_size(arg: Node) -> Optional[int]:
     """The head size of an attention input (B, heads, T, head size)."""
     val = arg.meta.get("val") if isinstance(arg, Node) else None
     return int(val.shape[-1]) if isinstance(val, torch.Tensor) and val.dim() == 4 else None
-
 
 
 def projection(arg: object, ctx: PassContext, head: Optional[int] = None) -> Optional[Node]:
@@ -99,7 +121,6 @@ def projection(arg: object, ctx: PassContext, head: Optional[int] = None) -> Opt
         found = [f for f, h in zip(found, heads) if h and head in h] or \
             [f for f, h in zip(found, heads) if not h and int(f.meta["val"].shape[-1]) % head == 0]
     return found[0] if len(found) == 1 else None
-
 
 
 def _projections(arg: object, ctx: PassContext) -> list[Node]:
@@ -118,12 +139,10 @@ def _projections(arg: object, ctx: PassContext) -> list[Node]:
     return found
 
 
-
 def is_projection(node: Node, ctx: PassContext) -> bool:
     """A weight matmul (a linear) whose weight is a 2-D parameter."""
     spec = node.meta.get("tp_rule")
     return spec is not None and spec.rule == "weight_matmul" and _has_weight(node, spec, ctx)
-
 
 
 def _has_weight(node: Node, spec: RuleSpec, ctx: PassContext) -> bool:
