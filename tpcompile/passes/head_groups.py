@@ -41,12 +41,11 @@ import torch
 from torch.fx import GraphModule, Node
 
 from tpcompile.layouts import binds, holders
-from tpcompile.passes.head_projections import (_MATMUL, _SCORES, _WALK, SDPA, biases, gates, head_size,
+from tpcompile.passes.head_projections import (MATMUL, SCORES, SDPA, WALK, biases, gates, head_size,
                                                kv_companions, projection, transposed)
 from tpcompile.passes.pass_context import PassContext
 from tpcompile.sharding_rules import RuleSpec
 from tpcompile.sharding_rules.group_cuts import per_rank
-
 
 
 def attentions(gm: GraphModule) -> list[tuple[Node, Node, Node, Node]]:
@@ -56,7 +55,7 @@ def attentions(gm: GraphModule) -> list[tuple[Node, Node, Node, Node]]:
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in SDPA and len(node.args) >= 3:
             out.append((node, *node.args[:3]))
-        elif node.op == "call_function" and node.target in _MATMUL and transposed(node.args[1]):
+        elif node.op == "call_function" and node.target in MATMUL and transposed(node.args[1]):
             product = _values(node)
             if product is not None:
                 out.append((product, node.args[0], node.args[1].args[0], product.args[1]))
@@ -66,15 +65,15 @@ def attentions(gm: GraphModule) -> list[tuple[Node, Node, Node, Node]]:
 def _values(scores: Node) -> Optional[Node]:
     """The product of the scores, softmaxed, with v: the one matmul they reach as its first operand past a softmax
     (the users followed that hold tensors: checks of the metadata and sizes read aside; branches too, as a
-    logsumexp of the scores for attention sinks, GraniteMoe's), within _SCORES ops of them."""
+    logsumexp of the scores for attention sinks, GraniteMoe's), within SCORES ops of them."""
     found, todo, seen = set(), [(scores, False, 0)], set()
     while todo:
         n, softmaxed, depth = todo.pop()
         for u in n.users:
-            if not isinstance(u.meta.get("val"), torch.Tensor) or (u, softmaxed) in seen or depth >= _SCORES:
+            if not isinstance(u.meta.get("val"), torch.Tensor) or (u, softmaxed) in seen or depth >= SCORES:
                 continue
             seen.add((u, softmaxed))
-            if u.target in _MATMUL:
+            if u.target in MATMUL:
                 if softmaxed and u.args[0] is n:
                     found.add(u)
                 continue
@@ -182,7 +181,7 @@ def add_args(node: Node, **args: object) -> None:
 def _between(arg: Node, proj: Node) -> list[Node]:
     """The nodes on the way from a projection to an attention input (walked back from the input)."""
     todo, seen = [arg], set()
-    while todo and len(seen) < _WALK:
+    while todo and len(seen) < WALK:
         n = todo.pop()
         if n in seen or n is proj or not isinstance(n, Node):
             continue

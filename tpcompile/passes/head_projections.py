@@ -13,10 +13,10 @@ from tpcompile.sharding_rules import RuleSpec
 from tpcompile.sharding_rules.rule_context import weight_view
 
 SDPA = (torch.ops.aten.scaled_dot_product_attention.default,)
-_MATMUL = (torch.ops.aten.matmul.default,)
+MATMUL = (torch.ops.aten.matmul.default,)
 _TRANSPOSE = (torch.ops.aten.transpose.int,)
-_WALK = 64  # nodes visited back from an attention input before giving up
-_SCORES = 12  # nodes followed from the scores q @ k^T to the product with v
+WALK = 64  # nodes visited back from an attention input before giving up
+SCORES = 12  # nodes followed from the scores q @ k^T to the product with v
 _GATE_WALK = 12  # nodes followed from an attention's output to a gate of its merged heads
 
 
@@ -67,14 +67,14 @@ def biases(out: Node, heads: int, found: list, ctx: PassContext) -> list[tuple[N
 
 def _score_terms(out: Node) -> list[Node]:
     """The operands met on the way from a written-out attention's scores (q @ k^T) to its product with v, in either
-    order: the ops within _SCORES of the product that the scores reach, and their other inputs."""
+    order: the ops within SCORES of the product that the scores reach, and their other inputs."""
     back, todo, scores = set(), [(out.args[0], 0)], None
     while todo:
         n, depth = todo.pop()
-        if not isinstance(n, Node) or n in back or depth > _SCORES:
+        if not isinstance(n, Node) or n in back or depth > SCORES:
             continue
         back.add(n)
-        if n.target in _MATMUL and transposed(n.args[1]):
+        if n.target in MATMUL and transposed(n.args[1]):
             scores = n
             continue
         todo += [(i, depth + 1) for i in n.all_input_nodes]
@@ -124,9 +124,9 @@ def projection(arg: object, ctx: PassContext, head: Optional[int] = None) -> Opt
 
 
 def _projections(arg: object, ctx: PassContext) -> list[Node]:
-    """The linears with a 2-D parameter weight nearest upstream of `arg` (within _WALK nodes)."""
+    """The linears with a 2-D parameter weight nearest upstream of `arg` (within WALK nodes)."""
     todo, seen, found = [arg] if isinstance(arg, Node) else [], set(), []
-    while todo and len(seen) < _WALK:
+    while todo and len(seen) < WALK:
         n = todo.pop(0)
         if n in seen or n.op != "call_function":
             continue
