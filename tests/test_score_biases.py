@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import tpcompile
+from tpcompile.runtime import launch
 from tpcompile.sharding_rules.group_cuts import group_cuts
 
 from padded_checks import equal, shard
@@ -58,3 +59,32 @@ def test_a_projection_per_kv_head_beside_the_key_is_cut_with_the_kv_heads(summed
         p = sm.plan.parameters[f"{name}.weight"]
         assert (name, p.role, p.local_shape, p.pieces) == (name, "column", (size, 32), KV)
     _exact(model, sm)
+
+
+def _on_five(rank: int) -> dict:
+    """On one of 5 gloo processes (kv head 0 held by ranks 0-2, kv head 1 by ranks 3-4): tpcompile.parallelize of each
+    model, its output's largest difference from the original's on another batch and length, and the share of the
+    parameters the rank holds."""
+    out = {}
+    for name, make in (("sdpa", lambda: RelativeBiasAttention()), ("eager", lambda: RelativeBiasAttention(True)),
+                       ("bias_first", lambda: RelativeBiasAttention("first")), ("taps", lambda: TappedKeyAttention()),
+                       ("summed", lambda: TappedKeyAttention(True))):
+        torch.manual_seed(0)
+        model = make().eval()
+        gm = tpcompile.parallelize(model, example_inputs=(torch.randn(2, 5, 32),))
+        x = torch.randn(3, 7, 32, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            out[name] = float((gm(x) - model(x)).abs().max())
+        out[f"{name} held"] = sum(p.numel() for p in gm.parameters()) / sum(p.numel() for p in model.parameters())
+    return out
+
+
+@pytest.mark.gloo
+def test_on_five_processes() -> None:
+    """The biases of the scores and the kv heads' taps on 5 gloo processes: every rank's output equals the
+    original's, and every rank holds what the plan's local shapes add up to (0.33 to 0.36 of the parameters; 0.44
+    to 0.79 with the bias and the taps whole)."""
+    for rank, got in enumerate(launch(5, _on_five, timeout=300)):
+        diffs = {k: v for k, v in got.items() if not k.endswith(" held")}
+        assert len(diffs) == 5 and max(diffs.values()) < 1e-4, (rank, diffs)
+        assert all(0.3 < got[f"{k} held"] < 0.37 for k in diffs), (rank, got)
