@@ -49,13 +49,13 @@ class GroupedEinsum(nn.Module):
 class _Output(nn.Module):
     """The output projection: einsum over a (heads, head_dim, dim) parameter, or a Linear."""
 
-    def __init__(self, form: str) -> None:
+    def __init__(self, form: str, heads: int = HEADS) -> None:
         super().__init__()
         self.form = form
         if form == "einsum":
-            self.w_o = nn.Parameter(torch.randn(HEADS, HD, D) / (HEADS * HD) ** 0.5)
+            self.w_o = nn.Parameter(torch.randn(heads, HD, D) / (heads * HD) ** 0.5)
         else:
-            self.o = nn.Linear(HEADS * HD, D)
+            self.o = nn.Linear(heads * HD, D)
 
     def project(self, out: torch.Tensor) -> torch.Tensor:  # (B, T, heads, head_dim)
         if self.form == "einsum":
@@ -83,9 +83,9 @@ class PackedEinsum(_Output):
 class SeparateEinsum(_Output):
     """q, k and v each from a (heads, head_dim, dim) parameter by einsum."""
 
-    def __init__(self, form: str) -> None:
-        super().__init__(form)
-        self.wq, self.wk, self.wv = (nn.Parameter(torch.randn(HEADS, HD, D) / D ** 0.5) for _ in range(3))
+    def __init__(self, form: str, heads: int = HEADS) -> None:
+        super().__init__(form, heads)
+        self.wq, self.wk, self.wv = (nn.Parameter(torch.randn(heads, HD, D) / D ** 0.5) for _ in range(3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = (torch.einsum("btd,hed->bthe", x, w) for w in (self.wq, self.wk, self.wv))
@@ -192,6 +192,25 @@ def test_separate_parameters_are_split_by_heads(ws: int, form: str) -> None:
         p = sm.plan.parameters[f"blocks.0.attn.{name}"]
         assert (p.role, p.dim, p.local_shape) == ("column", 0, (HEADS // ws, HD, D)), name
     assert _einsums(sm)["bthe,bshe->bhts"] == Shard(1)
+
+
+@pytest.mark.parametrize("form", ["einsum", "linear"])
+def test_heads_fewer_than_ranks_are_padded_not_cut_by_head_dim(form: str) -> None:
+    """4 heads of 8 at 8 ranks: q, k and v each split by heads, one a rank and zeros on 4 ranks, as the scores are
+    (head_dim, which 8 divides, is summed by q.k; v split by it would not meet the probabilities split by heads);
+    no warning, one all-reduce a block, equal to the original."""
+    model = Net(SeparateEinsum, form, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpcompile.TPCompileWarning)
+        sm = tpcompile.shard(model, 8, example_inputs=(torch.randn(2, 8, D),))
+    for name in ("wq", "wk", "wv"):
+        p = sm.plan.parameters[f"blocks.0.attn.{name}"]
+        assert (p.role, p.dim, p.local_shape) == ("column", 0, (1, HD, D)), name
+    assert _per_block(sm) == {"0": ["all_reduce"], "1": ["all_reduce"]}
+    x = torch.randn(3, 11, D)
+    with torch.no_grad():
+        for got in tpcompile.simulate(sm, x):
+            torch.testing.assert_close(got, model(x), atol=1e-5, rtol=0)
 
 
 def test_readers_choose_the_heads_index() -> None:

@@ -15,8 +15,10 @@ reshapes that keep whole blocks) to the first op that decides, and scores the in
 - REFUSED: summed against another activation, unbound, selected, reduced or softmaxed along, a reshape
   that cuts through its blocks.
 
-A path refused anywhere refuses the index; one wanted anywhere wants it. `weight_contract` splits the
-best-scored index the world size divides, the innermost parameter dim among equals (the features).
+A path refused anywhere refuses the index; one wanted anywhere wants it. `weight_contract` splits a wanted
+index, zero-padded where the world size does not divide it (4 heads at 8 ranks: their head_dim of 8 would not
+meet the other operand's heads), else the best-scored index the world size divides, the innermost parameter dim
+among equals (the features).
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ import torch
 from torch.fx import Node
 
 from tpcompile.placement import PARTIAL, REPLICATE, ParamSlice, Replicate, Shard, padded_size, segmented
-from tpcompile.sharding_rules.contract_readers import REFUSED, TAKEN
+from tpcompile.sharding_rules.contract_readers import REFUSED, TAKEN, WANTED
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want
 from tpcompile.sharding_rules.table import RuleSpec, op_name
@@ -119,15 +119,17 @@ def _segments(letter: str, tw: str, tout: str, view: ParamView, spec: RuleSpec) 
 
 
 def _split_index(kept: list[str], tw: str, tout: str, view: ParamView, spec: RuleSpec, world_size: int) -> str:
-    """The output index a column split cuts: one the world size divides that the readers take best (annotate's
-    `needs`, sharding_rules/contract_readers.py: whole heads over head_dim, never a stacked q|k|v index),
-    the innermost parameter dim among equals (the features, not the experts)."""
+    """The output index a column split cuts: one the readers want split (annotate's `needs`,
+    sharding_rules/contract_readers.py: the heads another operand's split meets), zero-padded where the world size
+    does not divide it (4 heads at 8 ranks, not their head_dim of 8: the attention probabilities are split by
+    heads); else one the world size divides that the readers take best (whole heads over head_dim, never a
+    stacked q|k|v index), the innermost parameter dim among equals (the features, not the experts)."""
     needs = spec.get("needs") or {}
 
     def key(c: str) -> tuple:
         need = needs.get(c, TAKEN)
         fits = not any(s % world_size for s in _segments(c, tw, tout, view, spec))
-        return fits and need > REFUSED, need, view.dims[tw.index(c)]
+        return need == WANTED, fits and need > REFUSED, need, view.dims[tw.index(c)]
     return max(kept, key=key)
 
 
