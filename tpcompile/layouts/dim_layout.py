@@ -82,6 +82,12 @@ def holders(world_size: int, pieces: int) -> int:
     return -(-world_size // pieces)
 
 
+def holder_runs(world_size: int, pieces: int) -> list[range]:
+    """The ranks holding each of `pieces` pieces (`holders`): 2 pieces at 5 ranks, ranks 0-2 and 3-4."""
+    h = holders(world_size, pieces)
+    return [range(k * h, min((k + 1) * h, world_size)) for k in range(pieces)]
+
+
 def binds(world_size: int, pieces: int) -> bool:
     """True when `pieces` pieces bound to ranks by `holders` give every piece at least one rank."""
     return 0 < pieces <= world_size and (pieces - 1) * holders(world_size, pieces) < world_size

@@ -126,7 +126,7 @@ def _within(heads: int, kv: int, ws: int, other: int) -> bool:
     heads whole."""
     if ws % kv == 0:
         return True
-    return binds(ws, kv) and 2 * per_rank(heads // kv, holders(ws, kv), kv, ws) + 2 < other
+    return binds(ws, kv) and 2 * per_rank(heads // kv, kv, ws) + 2 < other
 
 
 def _split_groups(found: list, kv_args: tuple, kv: int, share: int, hd: int, ctx: PassContext,

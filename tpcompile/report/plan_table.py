@@ -11,10 +11,10 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from tpcompile.layouts import holder_runs
 from tpcompile.ops.collectives import CollectiveEvent
 from tpcompile.ops.schedule import FORWARD_COLLECTIVES, collective_op
 from tpcompile.passes.pass_context import module_path
-from tpcompile.layouts import holders
 from tpcompile.placement import rank_pieces
 from tpcompile.report.units import format_bytes as _bytes
 from tpcompile.report.wording import replicated_modules, short_reason, short_warning
@@ -81,9 +81,8 @@ def split_text(pp: Any) -> str:
     if pp.pieces:
         text += f" {pp.pieces} pieces"
         if ws % pp.pieces:  # held by runs of ranks of different lengths: 'ranks 0-2|3-4' (2 kv heads at 5 ranks)
-            h = holders(ws, pp.pieces)
-            runs = [(k * h, min((k + 1) * h, ws) - 1) for k in range(pp.pieces)]
-            text += " ranks " + "|".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+            runs = holder_runs(ws, pp.pieces)
+            text += " ranks " + "|".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
     if sl.rank_cuts:  # each rank's real part of its one piece: 'cut 16|8|16|8' (a kv group's heads split 2 | 1)
         text += f" cut {'|'.join(map(str, held))}"
     if (pp.padded or sl.rank_cuts) and pp.head and not any(h % pp.head for h in held):  # heads a rank: 'heads 2|2|0'

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional, Sequence
 
-from tpcompile.layouts import dim_layout, holders
+from tpcompile.layouts import dim_layout, holder_runs, holders
 from tpcompile.placement import Cuts, Shard
 from tpcompile.sharding_rules.rule_context import Size, prod, sizes_equal
 
@@ -23,17 +23,17 @@ def group_cuts(groups: int, size: int, unit: int, share: int, world_size: int) -
     ranks k * share ... (k + 1) * share - 1 only (the last segment among the ranks left), each holding `per_rank`
     units (the last ones zeros): a kv group's query heads split within the ranks that share its kv head (3 heads
     at 2 ranks: 2 | 1 and a zero head)."""
-    per = per_rank(size // unit, share, groups, world_size) * unit
+    per = per_rank(size // unit, groups, world_size) * unit
     return tuple(tuple(min(max(r - k * share, 0), share) * per for r in range(world_size + 1))
                  for k in range(groups))
 
 
-def per_rank(units: int, share: int, groups: int, world_size: int) -> int:
-    """The units every rank holds of its group when each of `groups` groups of `units` is cut among the `share`
-    ranks holding it: as many as the fewest ranks holding a group need (the last group's, when the groups do not
-    divide the ranks: 3 heads at 5 ranks for 2 groups, ranks 0-2 and 3-4, are 2 a rank), so that every rank's
-    share has one size."""
-    return -(-units // min(share, world_size - (groups - 1) * share))
+def per_rank(units: int, groups: int, world_size: int) -> int:
+    """The units every rank holds of its group when each of `groups` groups of `units` is cut among the ranks
+    holding it (`layouts.holder_runs`): as many as the fewest ranks holding a group need (the last group's, when
+    the groups do not divide the ranks: 3 heads at 5 ranks for 2 groups, ranks 0-2 and 3-4, are 2 a rank), so
+    that every rank's share has one size."""
+    return -(-units // min(len(r) for r in holder_runs(world_size, groups)))
 
 
 def even_within(units: int, share: int, groups: int, world_size: int) -> bool:
@@ -55,7 +55,7 @@ def expand_within(p: Shard, out: Shard, ins: Sequence[Size], outs: Sequence[Size
     if out.split_next:
         group = outs[out.dim + 1]
         loc.append(("shape", 1, out.dim + 1, out.split_next) if even_within(group, share, p.pieces, ws)
-                   else ("shape_set", 1, (out.dim + 1, per_rank(group, share, p.pieces, ws)), None))
+                   else ("shape_set", 1, (out.dim + 1, per_rank(group, p.pieces, ws)), None))
     return out, loc
 
 

@@ -62,7 +62,7 @@ def repeat_interleave(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         # it): each rank repeats its head per_rank times, the copies past the group are padding
         cuts = group_cuts(p.pieces, repeats, 1, share, ctx.world_size)
         return Result(Shard(dim, (repeats,) * p.pieces, seq=p.seq, cuts=cuts), [Want(x, p)],
-                      localize=[("set", i, per_rank(repeats, share, p.pieces, ctx.world_size), None)])
+                      localize=[("set", i, per_rank(repeats, p.pieces, ctx.world_size), None)])
     if p.split_next is not None or not isinstance(size, int) or size != p.pieces or not even:
         return replace(_fail(x, f"{size} entries in {p.pieces} pieces repeated {repeats} times do not give each of "
                                 f"the {share} ranks sharing a piece whole entries of its own"), unpiece=[x])
