@@ -254,12 +254,14 @@ def balanced_bytes(model: torch.nn.Module, sm: Any) -> int:
     """The largest rank's parameter bytes if every parameter the plan splits were split balanced by whole units.
 
     A unit is one head (head_dim features) for a split segment of an attention module's parameter whose size
-    is a multiple of head_dim (a fused q|k|v the plan splits as one, interleaved per head, GPT-NeoX's: one head's
-    q, k and v, 3 x head_dim, as a rank computing a head needs all three); in a Mamba-2 mixer one Mamba head of its
-    inner segments and one group of its B and C (`_mixer_unit`); in a module with block-diagonal weights (h, w, w)
-    split by blocks (a recurrence's gates per head, RecurrentGemma's), one block of w (`_block_units`); one feature
-    elsewhere. A segment of U units puts
-    ceil(U / ws) of them on the largest rank. Parameters the plan keeps whole count whole. The reference for
+    is a multiple of head_dim; a head's share of the segment where that is a larger multiple of head_dim (the
+    module's `num_heads`, else the config's): a fused q|k|v the plan splits as one, interleaved per head,
+    GPT-NeoX's (one head's q, k and v, 3 x head_dim, as a rank computing a head needs all three), MLA's q and kv
+    (nope and rope parts, keys and values), a module whose heads are wider than the config's head_dim. In a
+    Mamba-2 mixer one Mamba head of its inner segments and one group of its B and C (`_mixer_unit`); in a module
+    with block-diagonal weights (h, w, w) split by blocks (a recurrence's gates per head, RecurrentGemma's), one
+    block of w (`_block_units`); one feature elsewhere. A segment of U units puts ceil(U / ws) of them on the
+    largest rank. Parameters the plan keeps whole count whole. The reference for
     "within one unit of balanced".
     """
     cfg = model.config
@@ -273,7 +275,17 @@ def balanced_bytes(model: torch.nn.Module, sm: Any) -> int:
     def head_dim_of(name: str) -> Optional[int]:
         heads = heads_of(name)
         found = getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads else None)
-        return found or _module_head_dim(model, name)
+        return found or _module_int(model, name, "head_dim")
+
+    def unit_of(name: str, seg: int) -> int:
+        head_dim = head_dim_of(name)
+        if not head_dim or seg % head_dim:
+            return 1
+        heads = _module_int(model, name, "num_heads") or heads_of(name)
+        per_head = seg // heads if heads and seg % heads == 0 else 0
+        if per_head > head_dim and per_head % head_dim == 0:
+            return per_head  # a head wider than head_dim (q|k|v interleaved, MLA's q, a linear attention's)
+        return head_dim
 
     sizes = {n: p.element_size() for n, p in model.named_parameters(remove_duplicate=False)}
     ws, total = sm.world_size, 0
@@ -283,13 +295,10 @@ def balanced_bytes(model: torch.nn.Module, sm: Any) -> int:
             total += math.prod(shape) * item
             continue
         attn = any(w in n.lower() for w in ("attn", "attention"))
-        head_dim = head_dim_of(n)
         rest = math.prod(shape) // shape[pp.dim]
         segments = _projections(pp, ws)
         for seg in segments or (shape[pp.dim],):
-            unit = head_dim if attn and head_dim and seg % head_dim == 0 else 1
-            if unit > 1 and not segments and seg == 3 * head_dim * (heads_of(n) or 0):
-                unit = 3 * head_dim  # q|k|v interleaved per head
+            unit = unit_of(n, seg) if attn else 1
             if any(f".{m}." in n for m in ("mixer", "mamba")):
                 unit = mixer_unit(seg)
             block = next((w for k, w in blocks.items() if n.startswith(k + ".") and seg % w == 0), None)
@@ -298,12 +307,13 @@ def balanced_bytes(model: torch.nn.Module, sm: Any) -> int:
     return total
 
 
-def _module_head_dim(model: torch.nn.Module, name: str) -> Optional[int]:
-    """The `head_dim` (an int) of the nearest module above parameter `name` that has one: for a model whose config
-    keeps its head counts in per-part sub-configs (BLT's patcher, encoder, global transformer and decoder)."""
+def _module_int(model: torch.nn.Module, name: str, attr: str) -> Optional[int]:
+    """Attribute `attr` (an int) of the nearest module above parameter `name` that has one: `head_dim` for a model
+    whose config keeps its head counts in per-part sub-configs (BLT's patcher, encoder, global transformer and
+    decoder), `num_heads` for a module whose heads are laid out wider than the config's head_dim."""
     path = name.split(".")[:-1]
     while path:
-        found = getattr(model.get_submodule(".".join(path)), "head_dim", None)
+        found = getattr(model.get_submodule(".".join(path)), attr, None)
         if isinstance(found, int):
             return found
         path.pop()

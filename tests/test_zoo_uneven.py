@@ -144,6 +144,32 @@ def test_balanced_measure_counts_an_interleaved_qkv_by_whole_heads() -> None:
     assert balanced_bytes(model, sm) == param_bytes(model, sm)[0]
 
 
+class _WideHeads(torch.nn.Module):
+    """A config of 8 heads of 8 and an attention of 4 heads of 16 (a hybrid's linear attention, Bailing's): the
+    module's own `num_heads` says how wide its heads are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(head_dim=8, num_attention_heads=8, hidden_size=64)
+        self.self_attn = _Heads()
+        self.self_attn.num_heads = 4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.self_attn(x)
+
+
+def test_balanced_measure_counts_the_heads_of_the_module_not_of_the_config() -> None:
+    """4 heads of 16 at 8 ranks put one head (16 rows) on the largest rank, as a split balanced by heads does: the
+    measure's unit is the module's head, not the config's 8 features (which called the split 2 x balanced)."""
+    import tpcompile
+    from hf_models import balanced_bytes, param_bytes
+
+    model = _WideHeads()
+    sm = tpcompile.shard(model, 8, example_inputs=(torch.randn(2, 5, 64),))
+    assert sm.plan.parameters["self_attn.q_proj.weight"].local_shape == (16, 64)
+    assert balanced_bytes(model, sm) == param_bytes(model, sm)[0]
+
+
 class _NormedSplit(torch.nn.Module):
     """A projection normalised over its 16 features, then split into two runs of 8 (the sparse-attention indexer's
     key, rope | rest, DeepSeek-V3.2's): no head or segment is found behind the norm, so no split holds whole runs."""
