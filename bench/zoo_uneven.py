@@ -101,7 +101,8 @@ def render(rows: dict[str, Any], base: dict[str, Any], meta: dict[str, Any], wor
         f"replication it names as its cause, a warning of its own), and the largest rank holds at "
         f"most {BALANCED:g} × a split balanced by units (÷ balanced: `balanced_bytes` in tests/hf_models.py; a "
         f"unit is one head of an attention module's parameter (head_dim features, or a head's share where the "
-        f"module's heads are wider: q|k|v interleaved, MLA's), in a Mamba-2 mixer one Mamba head of its inner "
+        f"module's heads are wider: q|k|v interleaved, MLA's; in a block whose per-head norm names its heads, "
+        f"xLSTM's, a head's share), in a Mamba-2 mixer one Mamba head of its inner "
         f"features and one group of its B and C, in a module with block-diagonal weights one block, one feature "
         f"elsewhere).", "",
         f"**Totals.** {len(ran)} architectures run unsharded ({len(rows) - len(ran)} listed apart above). Equal: "

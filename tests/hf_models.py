@@ -257,11 +257,12 @@ def balanced_bytes(model: torch.nn.Module, sm: Any) -> int:
     is a multiple of head_dim; a head's share of the segment where that is a larger multiple of head_dim (the
     module's `num_heads`, else the config's): a fused q|k|v the plan splits as one, interleaved per head,
     GPT-NeoX's (one head's q, k and v, 3 x head_dim, as a rank computing a head needs all three), MLA's q and kv
-    (nope and rope parts, keys and values), a module whose heads are wider than the config's head_dim. In a
-    Mamba-2 mixer one Mamba head of its inner segments and one group of its B and C (`_mixer_unit`); in a module
-    with block-diagonal weights (h, w, w) split by blocks (a recurrence's gates per head, RecurrentGemma's), one
-    block of w (`_block_units`); one feature elsewhere. A segment of U units puts ceil(U / ws) of them on the
-    largest rank. Parameters the plan keeps whole count whole. The reference for
+    (nope and rope parts, keys and values), a module whose heads are wider than the config's head_dim. In a block
+    not named attention that holds heads (a leaf module's `num_heads` in it: xLSTM's mLSTM layer), a head's
+    share of the segment. In a Mamba-2 mixer one Mamba head of its inner segments and one group of its B and C
+    (`_mixer_unit`); in a module with block-diagonal weights (h, w, w) split by blocks (a recurrence's gates per
+    head, RecurrentGemma's), one block of w (`_block_units`); one feature elsewhere. A segment of U units puts
+    ceil(U / ws) of them on the largest rank. Parameters the plan keeps whole count whole. The reference for
     "within one unit of balanced".
     """
     cfg = model.config
@@ -295,16 +296,29 @@ def balanced_bytes(model: torch.nn.Module, sm: Any) -> int:
             total += math.prod(shape) * item
             continue
         attn = any(w in n.lower() for w in ("attn", "attention"))
+        block_heads = None if attn else _block_heads(model, n)
         rest = math.prod(shape) // shape[pp.dim]
         segments = _projections(pp, ws)
         for seg in segments or (shape[pp.dim],):
-            unit = unit_of(n, seg) if attn else 1
+            unit = unit_of(n, seg) if attn else seg // block_heads if block_heads and seg % block_heads == 0 else 1
             if any(f".{m}." in n for m in ("mixer", "mamba")):
                 unit = mixer_unit(seg)
             block = next((w for k, w in blocks.items() if n.startswith(k + ".") and seg % w == 0), None)
             unit = block or unit
             total += -(-seg // unit // ws) * unit * rest * item
     return total
+
+
+def _block_heads(model: torch.nn.Module, name: str) -> Optional[int]:
+    """`num_heads` of a leaf module (one without modules of its own) beside parameter `name`'s module: the heads of a
+    multi-head block not named attention (xLSTM's mLSTM layer, whose per-head norm alone names them; not a decoder
+    layer's feed-forward beside its attention, which holds its projections; not an embedding, whose unit is a row)."""
+    path = name.split(".")[:-2]
+    if isinstance(model.get_submodule(name.rsplit(".", 1)[0] if "." in name else ""), torch.nn.Embedding):
+        return None
+    block = model.get_submodule(".".join(path)) if path else model
+    return next((h for m in block.children() if next(m.children(), None) is None
+                 and isinstance(h := getattr(m, "num_heads", None), int)), None)
 
 
 def _module_int(model: torch.nn.Module, name: str, attr: str) -> Optional[int]:

@@ -170,6 +170,49 @@ def test_balanced_measure_counts_the_heads_of_the_module_not_of_the_config() -> 
     assert balanced_bytes(model, sm) == param_bytes(model, sm)[0]
 
 
+class _PerHeadNorm(torch.nn.Module):
+    """A norm over each of 4 heads of 16, the only module of its block that says it has heads."""
+
+    num_heads = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = x.view(b, t, 4, 16)
+        return (h / h.norm(dim=-1, keepdim=True)).reshape(b, t, 64) * self.weight
+
+
+class _HeadedCell(torch.nn.Module):
+    """A recurrent cell of 4 heads not named attention (xLSTM's mLSTM layer): gates per head, a per-head norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(hidden_size=64)
+        self.q, self.v, self.out = (torch.nn.Linear(64, 64) for _ in range(3))
+        self.norm = _PerHeadNorm()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, v = (p(x).view(b, t, 4, 16) for p in (self.q, self.v))
+        mixed = (torch.sigmoid(q) * v).cumsum(1).reshape(b, t, 64)
+        return x + self.out(self.norm(mixed))
+
+
+def test_balanced_measure_counts_heads_a_block_names_only_in_its_norm() -> None:
+    """4 heads at 8 ranks put one head (16 rows) on the largest rank: the measure reads the heads off the block's
+    per-head norm (its `num_heads`), instead of counting single features (which called the split 2 x balanced)."""
+    import tpcompile
+    from hf_models import balanced_bytes, param_bytes
+
+    model = _HeadedCell()
+    sm = tpcompile.shard(model, 8, example_inputs=(torch.randn(2, 5, 64),))
+    assert sm.plan.parameters["q.weight"].local_shape == (16, 64)
+    assert balanced_bytes(model, sm) == param_bytes(model, sm)[0]
+
+
 class _NormedSplit(torch.nn.Module):
     """A projection normalised over its 16 features, then split into two runs of 8 (the sparse-attention indexer's
     key, rope | rest, DeepSeek-V3.2's): no head or segment is found behind the norm, so no split holds whole runs."""
