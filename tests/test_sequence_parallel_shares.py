@@ -206,6 +206,16 @@ def _parallelized(rank: int) -> dict:
     grads = {n: p.grad for n, p in model.named_parameters()}
     out["lowered"] = max([float((got - want).abs().max())] + [
         float((p.grad - grads[n]).abs().max()) for n, p in gm.named_parameters() if "ln" in n])
+    block, x = nn.Sequential(_ParallelBlock(), _ParallelBlock()), torch.randn(2, 8, 24)  # the same on every rank
+    lowered = tpcompile.shard(block, 3, example_inputs=(x,), sequence_parallel=True,
+                              comm=tpcompile.CommOptions(lower_c10d=True))
+    gm = lowered.rank(rank)
+    got, want = gm(x), block(x)  # an in-place add to reduce-scattered shares of 3|3|2 tokens
+    got.square().mean().backward()
+    want.square().mean().backward()
+    grads = {n: p.grad for n, p in block.named_parameters()}
+    out["lowered in place"] = max([float((got - want).abs().max())] + [
+        float((p.grad - grads[n]).abs().max()) for n, p in gm.named_parameters() if "norm" in n])
     return out
 
 
@@ -213,9 +223,9 @@ def _parallelized(rank: int) -> dict:
 def test_parallelize_on_three_processes_at_any_length() -> None:
     """tpcompile.parallelize on 3 gloo processes: the ranks agree on their schedules (a zero-padded head block
     traced symbolically) and give the original's logits, with tokens in shares of 4|3|3 and 3|2|2; the lowered
-    collectives give the original's logits and norm gradients too."""
+    collectives give the original's logits and norm gradients too, an in-place add to their results included."""
     for rank, diffs in enumerate(launch(3, _parallelized, timeout=240)):
-        assert set(diffs) == {(sp, t) for sp in (False, True) for t in (10, 7)} | {"lowered"}
+        assert set(diffs) == {(sp, t) for sp in (False, True) for t in (10, 7)} | {"lowered", "lowered in place"}
         assert max(diffs.values()) < 1e-5, (rank, diffs)
 
 
@@ -241,3 +251,33 @@ def test_the_lengths_table_renders_a_run() -> None:
     text = render([row, {"arch": "llama", "ws": 5, "error": "RuntimeError: x"}], 1.0)
     assert "3 ranks: 3|2|2, 1|1|0, 3|3|3" in text and "1 of 2 rows are equal" in text
     assert "- llama at 5: `RuntimeError: x`" in text
+
+
+class _ParallelBlock(nn.Module):
+    """Attention-free parallel block (Falcon's, GPT-J's): the feed-forward output takes the mixer's in place, both
+    straight from their row projections (no bias), which sequence parallelism makes reduce-scatters."""
+
+    def __init__(self, dim: int = 24) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.mix_in, self.mix_out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim, bias=False)
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        mixed = self.mix_out(torch.tanh(self.mix_in(h)))
+        out = self.fc2(torch.relu(self.fc1(h)))
+        out += mixed
+        return x + out
+
+
+@pytest.mark.parametrize("world_size,length", [(3, 8), (5, 8), (3, 9)])
+def test_in_place_add_to_a_reduce_scattered_share_trains(world_size: int, length: int) -> None:
+    """An in-place add to a reduce-scatter's result: every token share, the largest ones included (its padded
+    slot whole), is a tensor of its own, not a view autograd refuses to modify in place; the gradients equal
+    the original's."""
+    model = nn.Sequential(_ParallelBlock(), _ParallelBlock()).train()
+    sm = tpcompile.shard(model, world_size, example_inputs=(torch.randn(2, length, 24),), sequence_parallel=True)
+    assert any("reduce_scatter" in str(n.target) for n in sm.rank(0).graph.nodes)
+    report = tpcompile.check_gradients(model, sm, torch.randn(2, length, 24))
+    assert report.ok, str(report)

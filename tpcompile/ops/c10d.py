@@ -51,7 +51,7 @@ def _gather(x: torch.Tensor, dim: int, ws: int, group: str) -> torch.Tensor:
         out = c10d.wait_tensor(c10d.all_gather_into_tensor(moved, ws, group))
     except RuntimeError as e:
         raise _failure(e, "all_gather", x, group) from e
-    return out.movedim(0, dim)
+    return out if dim == 0 else shares.owned(out.movedim(0, dim))
 
 
 def _scatter_sum(x: torch.Tensor, dim: int, ws: int, group: str) -> torch.Tensor:
@@ -61,7 +61,7 @@ def _scatter_sum(x: torch.Tensor, dim: int, ws: int, group: str) -> torch.Tensor
         out = c10d.wait_tensor(c10d.reduce_scatter_tensor(moved, "sum", ws, group))
     except RuntimeError as e:
         raise _failure(e, "reduce_scatter", x, group) from e
-    return out.movedim(0, dim)
+    return out if dim == 0 else shares.owned(out.movedim(0, dim))
 
 
 def _gather_shares(x: torch.Tensor, dim: int, ws: int, group: str, size: Optional[int]) -> torch.Tensor:
@@ -76,7 +76,8 @@ def _scatter_shares(x: torch.Tensor, dim: int, rank: int, ws: int, group: str) -
     if x.shape[dim] % ws == 0:
         return _scatter_sum(x, dim, ws, group)
     out = _scatter_sum(shares.padded_shares(x, dim, ws), dim, ws, group)
-    return out.narrow(dim, 0, share(x.shape[dim], rank, ws))
+    mine = share(x.shape[dim], rank, ws)
+    return out if mine == out.shape[dim] else shares.owned(out.narrow(dim, 0, mine))
 
 
 class AllReduce(torch.autograd.Function):

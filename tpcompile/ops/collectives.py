@@ -162,7 +162,8 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
         return _run("reduce_scatter", x, group, lambda b: b.reduce_scatter(x, d))
     padded = shares.padded_shares(x, d, ws)  # shares that differ by one, each sent padded to the largest
     out = _run("reduce_scatter", padded, group, lambda b: b.reduce_scatter(padded, d))
-    return out.narrow(d, 0, token_shares.share(x.shape[d], rank_of(group), ws)).contiguous()
+    mine = token_shares.share(x.shape[d], rank_of(group), ws)
+    return out if mine == out.shape[d] else shares.owned(out.narrow(d, 0, mine))
 
 
 @torch.library.custom_op("tpcompile::all_gather_replicated", mutates_args=(),

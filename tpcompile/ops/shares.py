@@ -1,7 +1,8 @@
 """Tensors split in shares that may differ by one entry (layouts/token_shares.py): what a collective sends and keeps.
 
 Backends exchange equal blocks, so each share is sent zero-padded to the largest (`padded_shares`, `pad`) and the
-padding is dropped from what comes back (`gathered`). `own` is a rank's share of a whole tensor. The tpcompile
+padding is dropped from what comes back (`gathered`). `own` is a rank's share of a whole tensor; `owned` makes a
+collective's result a tensor of its own, never a view of the buffer it came in. The tpcompile
 collectives (collectives.py) and their torch.compile spelling (c10d.py) both cut tensors here.
 """
 from __future__ import annotations
@@ -15,6 +16,12 @@ def own(x: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
     """`rank`'s share of x along dim (a view)."""
     total = x.shape[dim]
     return x.narrow(dim, start(total, rank, world_size), share(total, rank, world_size))
+
+
+def owned(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of view x: a collective's result taken out of a larger buffer (a narrowed padded share, a
+    gathered dim moved back) would be a view, which autograd refuses to let a later in-place op modify."""
+    return x.clone(memory_format=torch.contiguous_format)
 
 
 def pad(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
