@@ -342,3 +342,33 @@ def test_region_body_is_its_own_per_rank() -> None:
         assert len(bodies) == 2 and not captured & {id(b) for b in bodies}
 
 
+
+
+class NoGradPassThrough(nn.Module):
+    """A no_grad region (a sparse-attention indexer's, DeepSeek-V3.2's) that returns one of its inputs through a cast
+    to the dtype it has: at run time the input itself, so its gradient flows on after the region, as it does
+    through `.float()` of a float32 value and `.contiguous()` of a contiguous one; a real cast's result does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        with torch.no_grad():
+            picked = h.argmax(-1, keepdim=True)
+            same, contiguous, copied = h.float(), h.contiguous(), h.double()
+        return self.down(same * 2 + contiguous) + picked + copied.float().sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_a_no_grad_region_returning_its_input_through_a_no_op_cast_keeps_its_gradient(ws: int) -> None:
+    """The region's outputs that are its input at run time (a cast to its own dtype, contiguous of a contiguous
+    value) are that input after inlining, gradient included; the real cast stays detached: every gradient equals
+    the original's (before, the input reached `down` detached and `up` got no gradient)."""
+    torch.manual_seed(0)
+    model = NoGradPassThrough()
+    sm, warned = _shard(model, ws, torch.randn(2, 5, 16))
+    assert not warned, warned
+    assert hop.wrap_with_set_grad_enabled not in _targets(sm.captured)
+    _check_equal(model, sm, torch.randn(3, 7, 16), train=True)

@@ -7,7 +7,8 @@ GraphModule attribute. Inlining is exact for these (docs/architecture.md, "Highe
 
 - a grad-off region is its body on detached operands: nothing computed from them carries a
   gradient, as under no_grad, and in-place writes still reach the same storage (detach shares it);
-  an operand the body returns unchanged is returned as itself, as the region does;
+  an operand the body returns unchanged is returned as itself, as the region does, and so is one returned
+  through an op that gives back its input when it changes nothing (`_same_tensor`: a cast to its own dtype);
 - a grad-on region is its body as is: the values are the same; only a caller running the ranks
   under no_grad would see its outputs without a gradient, where the original's would carry one;
 - an autocast region whose setting is the one the graph runs under (the rank graphs refuse any
@@ -110,7 +111,7 @@ def _inline(gm: fx.GraphModule, node: fx.Node) -> None:
                 new.meta["nn_module_stack"] = stack
             env[bn] = new
     places = {ph: op for ph, op in zip([n for n in body.graph.nodes if n.op == "placeholder"], operands)}
-    results = [places.get(o, env.get(o, o)) if isinstance(o, fx.Node) else o for o in outputs]
+    results = [places.get(_same_tensor(o), env.get(o, o)) if isinstance(o, fx.Node) else o for o in outputs]
     for user in list(node.users):
         if user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int):
             user.replace_all_uses_with(results[user.args[1]])
@@ -125,6 +126,42 @@ def _inline(gm: fx.GraphModule, node: fx.Node) -> None:
         gm.graph.erase_node(holder)
         if not any(n.op == "get_attr" and n.target == holder.target for n in gm.graph.nodes):
             gm.delete_submodule(holder.target)
+
+
+# ops that give back their input tensor itself when they change nothing (Tensor.to / .float() to its own dtype and
+# device, .contiguous() of a contiguous tensor): under no_grad that is still the input, gradient and all
+_SELF_WHEN_UNCHANGED = {torch.ops.aten.to.dtype, torch.ops.aten.to.device, torch.ops.aten.to.dtype_layout,
+                        torch.ops.aten.to.other, torch.ops.aten.type_as.default, torch.ops.aten.contiguous.default}
+
+
+def _same_tensor(node: fx.Node) -> fx.Node:
+    """The body node whose tensor `node` is at run time: through ops in _SELF_WHEN_UNCHANGED that change nothing
+    (same dtype, device and layout, no copy asked for, a contiguous input for contiguous)."""
+    while node.op == "call_function" and node.target in _SELF_WHEN_UNCHANGED and isinstance(node.args[0], fx.Node):
+        x, out = node.args[0].meta.get("val"), node.meta.get("val")
+        if not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor) or (x.dtype, x.device, x.layout) != \
+                (out.dtype, out.device, out.layout) or not _no_copy(node, x):
+            break
+        node = node.args[0]
+    return node
+
+
+def _no_copy(node: fx.Node, x: torch.Tensor) -> bool:
+    """True when `node` (an op of _SELF_WHEN_UNCHANGED) asks for no copy: no copy=True, no memory format the input is
+    not in."""
+    names = [a.name for a in node.target._schema.arguments]
+    args = {**dict(zip(names, node.args)), **node.kwargs}
+    if args.get("copy"):
+        return False
+    fmt = args.get("memory_format")
+    if node.target is torch.ops.aten.contiguous.default:
+        fmt = fmt or torch.contiguous_format
+    if fmt in (None, torch.preserve_format):
+        return True
+    try:
+        return bool(x.is_contiguous(memory_format=fmt))
+    except Exception:  # noqa: BLE001  a symbolic stride that cannot be decided: a copy, as before
+        return False
 
 
 def _own_bodies(gm: fx.GraphModule, autocast: tuple) -> None:
