@@ -281,3 +281,35 @@ def test_in_place_add_to_a_reduce_scattered_share_trains(world_size: int, length
     assert any("reduce_scatter" in str(n.target) for n in sm.rank(0).graph.nodes)
     report = tpcompile.check_gradients(model, sm, torch.randn(2, length, 24))
     assert report.ok, str(report)
+
+
+class _LowRankGate(nn.Module):
+    """Heads gated by a low-rank projection of the block's input (Kimi-Linear's and Doge's output gate): the gate's
+    up-projection ends its own split region, so sequence parallelism leaves it split by tokens, while the heads it
+    multiplies are split by heads."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, rank: int = 16) -> None:
+        super().__init__()
+        self.heads, self.norm = heads, nn.LayerNorm(dim)
+        self.q, self.v, self.o = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim, bias=False)
+        self.g_a, self.g_b = nn.Linear(dim, rank, bias=False), nn.Linear(rank, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.norm(x)
+        q, v = (p(h).view(b, t, self.heads, -1) for p in (self.q, self.v))
+        mixed = torch.softmax(q, -1) * v.cumsum(1)
+        gate = torch.sigmoid(self.g_b(self.g_a(h))).view(b, t, self.heads, -1)
+        return x + self.o((mixed * gate).reshape(b, t, d))
+
+
+@pytest.mark.parametrize("world_size,length", [(2, 8), (3, 7)])
+def test_a_token_split_read_split_by_heads_is_gathered_first(world_size: int, length: int) -> None:
+    """The gate, split by tokens, read by an op split by heads: its tokens are gathered before this rank's heads
+    are cut from it (before, it reached the product as it was, and the ranks failed on mismatched shapes); outputs
+    and gradients equal the original's."""
+    model = nn.Sequential(_LowRankGate(), _LowRankGate()).train()
+    x = torch.randn(2, length, 32)
+    sm = tpcompile.shard(model, world_size, example_inputs=(x,), sequence_parallel=True)
+    report = tpcompile.check_gradients(model, sm, torch.randn(3, length + 2, 32))
+    assert report.ok, str(report)

@@ -88,6 +88,13 @@ class _Emitter:
             if (op, w.node) not in self.cache:
                 self.cache[(op, w.node)] = gather_tokens(self, src, w.node, have, op)
             return self.cache[(op, w.node)]
+        if is_seq(have) and isinstance(w.placement, Shard) and not is_seq(w.placement):
+            # a token split read split another way (a gate from the residual stream on split heads): the tokens
+            # gathered as a whole value, then this rank's part of it as from any whole value, below
+            key = (tp.all_gather_replicated.default, w.node)
+            if key not in self.cache:
+                self.cache[key] = gather_tokens(self, src, w.node, have, tp.all_gather_replicated.default)
+            have, src = REPLICATE, self.cache[key]
         if isinstance(have, Replicate) and is_seq(w.placement):  # this rank's tokens (of every sequence)
             key = ("scatter", w.node, w.placement.dim)
             if key not in self.cache:
