@@ -76,8 +76,7 @@ def _scatter_shares(x: torch.Tensor, dim: int, rank: int, ws: int, group: str) -
     if x.shape[dim] % ws == 0:
         return _scatter_sum(x, dim, ws, group)
     out = _scatter_sum(shares.padded_shares(x, dim, ws), dim, ws, group)
-    mine = share(x.shape[dim], rank, ws)
-    return out if mine == out.shape[dim] else shares.owned(out.narrow(dim, 0, mine))
+    return shares.first(out, dim, share(x.shape[dim], rank, ws))
 
 
 class AllReduce(torch.autograd.Function):

@@ -162,8 +162,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
         return _run("reduce_scatter", x, group, lambda b: b.reduce_scatter(x, d))
     padded = shares.padded_shares(x, d, ws)  # shares that differ by one, each sent padded to the largest
     out = _run("reduce_scatter", padded, group, lambda b: b.reduce_scatter(padded, d))
-    mine = token_shares.share(x.shape[d], rank_of(group), ws)
-    return out if mine == out.shape[d] else shares.owned(out.narrow(d, 0, mine))
+    return shares.first(out, d, token_shares.share(x.shape[d], rank_of(group), ws))
 
 
 @torch.library.custom_op("tpcompile::all_gather_replicated", mutates_args=(),

@@ -1,8 +1,8 @@
 """Tensors split in shares that may differ by one entry (layouts/token_shares.py): what a collective sends and keeps.
 
 Backends exchange equal blocks, so each share is sent zero-padded to the largest (`padded_shares`, `pad`) and the
-padding is dropped from what comes back (`gathered`). `own` is a rank's share of a whole tensor; `owned` makes a
-collective's result a tensor of its own, never a view of the buffer it came in. The tpcompile
+padding is dropped from what comes back (`gathered`, `first`). `own` is a rank's share of a whole tensor; `owned`
+makes a collective's result a tensor of its own, never a view of the buffer it came in. The tpcompile
 collectives (collectives.py) and their torch.compile spelling (c10d.py) both cut tensors here.
 """
 from __future__ import annotations
@@ -22,6 +22,12 @@ def owned(x: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of view x: a collective's result taken out of a larger buffer (a narrowed padded share, a
     gathered dim moved back) would be a view, which autograd refuses to let a later in-place op modify."""
     return x.clone(memory_format=torch.contiguous_format)
+
+
+def first(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """The first n entries of x along dim (a share out of its padded slot), a tensor of its own: x itself when it
+    has no more."""
+    return x if n == x.shape[dim] else owned(x.narrow(dim, 0, n))
 
 
 def pad(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:

@@ -85,16 +85,11 @@ class _Emitter:
             # region entry under sequence parallelism: gather the tokens ((B*T, C): on its (B, T, C) view); a split
             # consumer's gradient is partial, so it is reduce-scattered back (all_gather's backward)
             op = tp.all_gather.default if w.grad_sync else tp.all_gather_replicated.default
-            if (op, w.node) not in self.cache:
-                self.cache[(op, w.node)] = gather_tokens(self, src, w.node, have, op)
-            return self.cache[(op, w.node)]
+            return self._tokens_gathered(op, w.node, src, have)
         if is_seq(have) and isinstance(w.placement, Shard) and not is_seq(w.placement):
             # a token split read split another way (a gate from the residual stream on split heads): the tokens
             # gathered as a whole value, then this rank's part of it as from any whole value, below
-            key = (tp.all_gather_replicated.default, w.node)
-            if key not in self.cache:
-                self.cache[key] = gather_tokens(self, src, w.node, have, tp.all_gather_replicated.default)
-            have, src = REPLICATE, self.cache[key]
+            have, src = REPLICATE, self._tokens_gathered(tp.all_gather_replicated.default, w.node, src, have)
         if isinstance(have, Replicate) and is_seq(w.placement):  # this rank's tokens (of every sequence)
             key = ("scatter", w.node, w.placement.dim)
             if key not in self.cache:
@@ -113,6 +108,12 @@ class _Emitter:
         if w.grad_sync and isinstance(have, Replicate):
             return self._once(("grad_all_reduce", w.node), tp.grad_all_reduce.default, src, self.plan.group)
         return src
+
+    def _tokens_gathered(self, op: Any, value: Node, src: Node, have: Shard) -> Node:
+        """Token-split `value` gathered whole by `op` (once per op and value)."""
+        if (op, value) not in self.cache:
+            self.cache[(op, value)] = gather_tokens(self, src, value, have, op)
+        return self.cache[(op, value)]
 
     def _reduce_pending(self, value: Node, src: Node) -> Node:
         """The all-reduce of a pending sum, attributed (module path, stack) to the op that left it pending or to its
