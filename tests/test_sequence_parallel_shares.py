@@ -313,3 +313,41 @@ def test_a_token_split_read_split_by_heads_is_gathered_first(world_size: int, le
     sm = tpcompile.shard(model, world_size, example_inputs=(x,), sequence_parallel=True)
     report = tpcompile.check_gradients(model, sm, torch.randn(3, length + 2, 32))
     assert report.ok, str(report)
+
+
+class _Patches(nn.Module):
+    """A block over patches whose count the data decides (Byte Latent Transformer's): the positions of marked
+    tokens, one begin and one end patch around them; two feed-forward blocks on the patches, their mean added back."""
+
+    def __init__(self, vocab: int = 16, dim: int = 24) -> None:
+        super().__init__()
+        self.emb, self.ends = nn.Embedding(vocab, dim), nn.Parameter(torch.randn(2, dim))
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(),
+                                                  nn.Linear(4 * dim, dim)) for _ in range(2))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        marked = torch.nonzero(ids[0] % 3 == 0).squeeze(1)
+        ends = self.ends.unsqueeze(0).expand(x.shape[0], -1, -1)
+        p = torch.cat([ends[:, :1], x.index_select(1, marked), ends[:, 1:]], 1)
+        for block in self.blocks:
+            p = p + block(p)
+        return self.head(x + p.mean(1, keepdim=True))
+
+
+@pytest.mark.parametrize("world_size", [3, 5])
+def test_a_data_dependent_token_count_is_gathered_at_its_size(world_size: int) -> None:
+    """Patches counted from the data split by tokens: the gathers between the blocks are given the count read off
+    the whole value each share was cut from (no model input has it). Before, each rank sent its share as it was
+    and the ranks' gathers differed in size; outputs and gradients equal the original's."""
+    model = _Patches().train()
+    ids = torch.tensor([[0, 3, 1, 6, 2, 9, 4, 5, 12, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]])
+    sm = tpcompile.shard(model, world_size, example_inputs=(ids,), sequence_parallel=True)
+    assert any("reduce_scatter" in str(n.target) for n in sm.rank(0).graph.nodes)
+    for marks in (4, 6):  # 6 and 8 patches: shares of 2|2|2, 3|3|2 at 3 ranks
+        other = torch.randint(1, 16, (3, 13), generator=torch.Generator().manual_seed(marks))
+        other[0] = torch.where(torch.arange(13) < marks, 3, 1)
+        report = tpcompile.check_gradients(model, sm, other)
+        assert report.ok, str(report)
+

@@ -1,9 +1,10 @@
 """Sizes of the model's inputs as values of a rank graph: the run-time batch and length a rewrite needs where the
-captured graph has a symbolic size (a sequence's token count, the batch of (B*T, C) values)."""
+captured graph has a symbolic size (a sequence's token count, the batch of (B*T, C) values). A size the inputs do
+not give (a count the model computes from its data: patches) is learnt where a whole value has it (`learn_size`)."""
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import sympy
 import torch
@@ -39,3 +40,26 @@ def size_node(em: Any, expr: Any) -> Any:
                 out = op(out, part) if isinstance(out, int) and isinstance(part, int) else em.call(op, out, part)
             em.cache[key] = out
     return em.cache[key]
+
+
+def learn_size(em: Any, expr: Any, make: Callable[[], Any]) -> None:
+    """Record `make()` (a node of the rank graph, made only if needed) as the value of `expr`, a size no model input
+    gives (a data-dependent count); when expr is a*u + b in one symbol u, u too (solved), so that other sizes made
+    of u are found later."""
+    expr = sympy.sympify(expr)
+    if getattr(expr, "is_number", False) or ("size", str(expr)) in em.cache:
+        return
+    try:
+        size_node(em, expr)
+        return
+    except ValueError:
+        pass
+    em.cache[("size", str(expr))] = size = make()
+    if len(expr.free_symbols) != 1:
+        return
+    (u,) = expr.free_symbols
+    a, b = sympy.Poly(expr, u).all_coeffs() if sympy.Poly(expr, u).degree() == 1 else (None, None)
+    if a is None or not (a.is_Integer and b.is_Integer) or ("size", str(u)) in em.cache:
+        return
+    base = em.call(operator.sub, size, int(b)) if b else size
+    em.cache[("size", str(u))] = em.call(operator.floordiv, base, int(a)) if a != 1 else base

@@ -17,7 +17,7 @@ import torch
 from torch.fx import Node
 
 from tpcompile.layouts import token_shares
-from tpcompile.passes.rewrite_sizes import size_node
+from tpcompile.passes.rewrite_sizes import learn_size, size_node
 from tpcompile.placement import Shard, is_seq
 from tpcompile.sharding_rules.rule_context import to_size
 
@@ -84,8 +84,10 @@ def _tokens_shape(node: Node, p: Shard, rank_tokens: bool, ws: int) -> tuple:
 
 def _cut(em: Any, op: Any, x: Node, node: Node, p: Shard) -> Node:
     """A reduce-scatter or scatter of the whole value x (the rank graph's value of `node`) by tokens."""
-    inner = _tokens(node.meta["val"].shape[p.dim], p)[1]
+    tokens, inner = _tokens(node.meta["val"].shape[p.dim], p)
     view, d = _view(em, x, p, -1, inner)
+    if not isinstance(tokens, int):  # a token count no model input gives (patches): the gathers later read it here
+        learn_size(em, tokens, lambda: em.call(aten.sym_size.int, view, d))
     out = em.call(op, view, d, em.plan.group)
     if p.outer is not None:
         out.meta["tp_shape"] = _tokens_shape(node, p, False, em.ws)
