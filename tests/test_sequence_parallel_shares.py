@@ -351,3 +351,37 @@ def test_a_data_dependent_token_count_is_gathered_at_its_size(world_size: int) -
         report = tpcompile.check_gradients(model, sm, other)
         assert report.ok, str(report)
 
+
+class _FixedLengthTopK(nn.Module):
+    """A length the model's code fixes (a learned position table added whole) and a top-2 choice per token flattened
+    with the tokens: (B*T, 2) -> (B * 2T), each token's two rows looked up in a table, weighted and summed back."""
+
+    def __init__(self, vocab: int = 16, dim: int = 24, length: int = 8, table: int = 10) -> None:
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(vocab, dim), nn.Parameter(torch.randn(length, dim))
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.choices, self.table = table, nn.Parameter(torch.randn(table, dim))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids) + self.pos
+        y = x + self.fc2(torch.relu(self.fc1(x)))
+        flat = y.reshape(-1, y.shape[-1])  # (B*T, C), routed as a mixture of experts routes
+        weights, chosen = torch.softmax(flat[:, :self.choices], -1).topk(2, -1)  # a router of no weight of its own
+        rows = self.table[chosen.reshape(-1)].view(*chosen.shape, -1)
+        return self.head(y + (rows * weights.unsqueeze(-1)).sum(1).view(y.shape))
+
+
+@pytest.mark.parametrize("world_size", [3, 5])
+def test_top_k_entries_of_a_fixed_token_count_are_not_taken_for_tokens(world_size: int) -> None:
+    """A fixed length of 8 tokens, 2 entries each flattened into 16: the size alone reads as 16 tokens, whose shares
+    (6|5|5 at 3 ranks) cut through tokens (shares of 3|3|2 tokens hold 6|6|4 entries). The split stops at that
+    reshape (the tokens gathered first); before, the ranks failed on sizes that disagreed. Outputs and gradients
+    equal the original's."""
+    model = _FixedLengthTopK().train()
+    ids = torch.randint(0, 16, (2, 8), generator=torch.Generator().manual_seed(0))
+    sm = tpcompile.shard(model, world_size, example_inputs=(ids,), sequence_parallel=True)
+    assert any("reduce_scatter" in str(n.target) for n in sm.rank(0).graph.nodes)
+    report = tpcompile.check_gradients(model, sm, torch.randint(0, 16, (3, 8)))
+    assert report.ok, str(report)
+

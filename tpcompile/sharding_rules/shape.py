@@ -126,6 +126,10 @@ def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: i
             m = exact_size(sympy.sympify(size) / sum(one))  # runs folded into this dim
             if m is None or not sizes_equal(pre * m, count * k):
                 continue
+            if p.seq and inner // q > 1 and all(sympy.sympify(s).is_number for s in segs):
+                why = (f"reshape of {tuple(ins)} to {tuple(outs)} flattens {inner // q} entries of each of {segs[0]} "
+                       f"tokens, a count fixed by the model, into dim {gj[u]}; its size does not tell them apart")
+                continue  # (a length the model leaves dynamic, k * T, does: layouts/token_shares.tokens_of)
             merged = merged_tokens(blocks, inner, q, ws) if p.seq else 1
             if merged > 1:  # the tokens are gathered first (passes/op_result.py, gathering_seq)
                 why = (f"reshape of {tuple(ins)} to {tuple(outs)} puts {merged} neighbouring tokens in one entry "
