@@ -371,3 +371,27 @@ def test_parallelize_reshards_on_every_rank_under_gloo() -> None:
                 assert float((out - alibi(_ids(shape, seed=shape[1]))).abs().max()) < 1e-5, (rank, shape)
             assert float((res["low"] - scan(_ids((3, 9), seed=9))).abs().max()) < 3e-2, rank
         assert res["low_grads"] == {"torch.float32"}
+
+
+def test_a_dim_fixed_after_the_capture_is_guarded_and_said() -> None:
+    """A dim a sharding pass fixes after the capture (comparing its symbolic size with a number fixes it at the
+    example's size) joins the input guard, with a warning naming it: other sizes are refused (and captured again
+    where users call rank graphs), not run on graphs built for the example's. pyproject.toml makes that warning an
+    error everywhere else in the suite, so no pass may fix a dim unnoticed."""
+    from tpcompile.capture import capture
+    from tpcompile.capture.input_dims import guard_dims_fixed_later
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    x = torch.randn(2, 6, 16)
+    cap = capture(model, (x,), {}, None)
+    before = cap.gm._tpcompile_input_guard.fixed  # the features (16), fixed by the weights
+    guard_dims_fixed_later(cap.gm, (x,), {}, "Sequential")  # nothing fixed since: no warning, no new check
+    assert [f.dim for f in cap.gm._tpcompile_input_guard.fixed] == [f.dim for f in before] == [2]
+    holder = next(n for n in cap.gm.graph.nodes if n.op == "placeholder")
+    assert int(holder.meta["val"].shape[1]) == 6  # what such a pass does to the length
+    with pytest.warns(tpcompile.TPCompileWarning, match="input 'input_1' dim 1 was dynamic in the capture, but "
+                                                        "sharding fixed it at 6"):
+        guard_dims_fixed_later(cap.gm, (x,), {}, "Sequential")
+    with pytest.raises(InputShapeError, match="has size 7 in dim 1, but the capture fixed that dim at 6"):
+        cap.gm(torch.randn(2, 7, 16))
+    assert cap.gm(torch.randn(3, 6, 16)).shape == (3, 6, 16)  # the batch stays free

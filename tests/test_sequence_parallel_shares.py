@@ -385,3 +385,36 @@ def test_top_k_entries_of_a_fixed_token_count_are_not_taken_for_tokens(world_siz
     report = tpcompile.check_gradients(model, sm, torch.randint(0, 16, (3, 8)))
     assert report.ok, str(report)
 
+
+class _RelativeLogits(nn.Module):
+    """Attention with a bias per head and distance (Inkling's): a fourth part of the fused projection, per head,
+    mixes a bank of R profiles into (B, H, T, R), gathered along R by the (T, T) distances into (B, H, T, T)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, d_rel: int = 4, rel: int = 8) -> None:
+        super().__init__()
+        self.heads, self.rel, self.sizes = heads, rel, (dim, dim, dim, heads * d_rel)
+        self.qkvr, self.o = nn.Linear(dim, sum(self.sizes)), nn.Linear(dim, dim)
+        self.profiles = nn.Parameter(torch.randn(d_rel, rel))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v, r = (z.view(b, t, self.heads, -1) for z in self.qkvr(x).split(self.sizes, -1))
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+        pos = torch.arange(t, device=x.device)
+        dist = (pos[:, None] - pos[None, :]).clamp(0, self.rel - 1).expand(b, self.heads, t, t)
+        bias = (r @ self.profiles).transpose(1, 2).gather(-1, dist)
+        scores = q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5 + bias
+        return x + self.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d))
+
+
+def test_sharding_leaves_the_captured_length_dynamic() -> None:
+    """An example length equal to the relative positions' count (8): sharding compared the two sizes, which fixed
+    the length at 8 after the capture, without a check on the inputs, so the ranks ran other lengths on a graph of
+    8 (under sequence parallelism, gathers of 8 tokens). The length stays dynamic: any length equals the original."""
+    model = nn.Sequential(_RelativeLogits(), _RelativeLogits()).train()
+    sm = tpcompile.shard(model, 3, example_inputs=(torch.randn(2, 8, 32),), sequence_parallel=True)
+    holder = next(n for n in sm.rank(0).graph.nodes if n.op == "placeholder")
+    assert isinstance(holder.meta["val"].shape[1], torch.SymInt)
+    for length in (8, 11):
+        report = tpcompile.check_gradients(model, sm, torch.randn(3, length, 32))
+        assert report.ok, str(report)

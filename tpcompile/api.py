@@ -26,6 +26,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from tpcompile.capture import Captured, capture
+from tpcompile.capture.input_dims import guard_dims_fixed_later
 from tpcompile.errors import TPCompileError
 from tpcompile.ops.schedule import FORWARD_COLLECTIVES, collective_op, graph_schedule
 from tpcompile.overrides import check_overrides
@@ -92,7 +93,8 @@ def shard_captured(cap: Captured, world_size: int, *, plan: Any = None, group: A
     decisions = freeze(gm, ctx)  # freeze: the decision as one value, taken off the graph
     gm = verify_pass(gm, decisions)  # verify: parameter slices tile each parameter
     sm = ShardedModel(gm, decisions, cap.model_name, build_plan(gm, decisions, ctx))  # plan: what was decided
-    sm.comm = comm_options(comm)
+    sm.comm, sm.examples = comm_options(comm), (cap.example_args, cap.example_kwargs)
+    guard_dims_fixed_later(gm, *sm.examples, cap.model_name)  # none, unless a pass compared a symbolic size
     return sm
 
 
@@ -111,6 +113,7 @@ class ShardedModel:
         self._lock = threading.Lock()
         self.comm: Optional[CommOptions] = None  # the communication passes run on each rank graph
         self.shapes: Optional[ShapeCache] = None  # shard()'s: a capture per input shape the guards refuse
+        self.examples: tuple = ((), {})  # the example (args, kwargs) the capture ran
 
     def rank(self, r: int) -> GraphModule:
         """Rank r's GraphModule: the model's arguments in, the model's output structure out."""
@@ -130,6 +133,7 @@ class ShardedModel:
                 if self.comm is not None and self.comm.lower_c10d:
                     gm = lower_pass(gm)  # lower(r): _c10d_functional collectives, for torch.compile
                 self._ranks[r] = gm
+                guard_dims_fixed_later(self.captured, *self.examples, self.model_name)  # as after the plan
             return self._ranks[r]
 
     def _comm(self, g: Any) -> Any:

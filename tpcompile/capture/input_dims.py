@@ -11,6 +11,7 @@ call rank graphs, a size the check refuses is captured again (runtime/shape_cach
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import torch
 from torch import fx, nn
@@ -70,6 +71,24 @@ def _surprising(f: FixedDim, example: torch.Tensor, weight_sizes: set[int]) -> b
     if f.size in (0, 1) or not (example.is_floating_point() or example.is_complex()):
         return True
     return f.dim < example.dim() - 1 and (f.dim == 0 or f.size not in weight_sizes)
+
+
+def guard_dims_fixed_later(gm: fx.GraphModule, args: tuple, kwargs: dict, name: str) -> None:
+    """Input dims fixed after the capture (a pass that compared a symbolic size with a number fixes it at the example's
+    size): added to the input guard, with a TPCompileWarning, so that other sizes are refused (captured again where
+    users call rank graphs) rather than run on graphs built for the example's size."""
+    guard = getattr(gm, "_tpcompile_input_guard", None)
+    if not isinstance(guard, InputGuard):
+        return
+    known = {(f.index, f.dim) for f in guard.fixed}
+    cause = "a sharding pass compared it with a size of the model, which fixed it"
+    new = tuple(replace(f, cause=cause) for f in fixed_dims(gm, args, kwargs) if (f.index, f.dim) not in known)
+    guard.fixed += new
+    for f in new:
+        warnings.warn(f"{name}: input {f.input!r} dim {f.dim} was dynamic in the capture, but sharding fixed it at "
+                      f"{f.size} ({cause}); the rank graphs take only that size there, and tpcompile.simulate and "
+                      f"tpcompile.parallelize shard again for each other size. Please report it with the model",
+                      TPCompileWarning, stacklevel=3)
 
 
 def install_guards(gm: fx.GraphModule, fixed: tuple[FixedDim, ...], autocast: tuple) -> None:

@@ -10,6 +10,7 @@ from torch.fx import Node
 
 from tpcompile.passes.head_parts import split_along
 from tpcompile.sharding_rules import lookup
+from tpcompile.sharding_rules.rule_context import sizes_equal, to_size
 
 POINTWISE = ("pointwise", "pointwise_inplace")  # elementwise op table rows, in place or not
 
@@ -21,8 +22,8 @@ def keeps_features(nxt: Node, cur: Node, fdim: int) -> bool:
     token and put back in order)."""
     a, b = cur.meta.get("val"), nxt.meta.get("val")
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() != b.dim() \
-            or a.shape[fdim] != b.shape[fdim]:
-        return False
+            or not sizes_equal(to_size(a.shape[fdim]), to_size(b.shape[fdim])):
+        return False  # (compared as expressions: comparing symbolic sizes would fix the model's inputs)
     if nxt.target is torch.ops.aten.cat.default:  # joined along another dim
         return cur in nxt.args[0] and (nxt.args[1] if len(nxt.args) > 1 else nxt.kwargs.get("dim", 0)) % a.dim() != fdim
     if nxt.target is torch.ops.aten.index_add.default:  # rows added at indices (the experts' outputs put back)
