@@ -48,3 +48,25 @@ def test_a_second_decision_on_the_same_graph_leaves_the_first_intact() -> None:
     assert second.decisions.slice_for("blocks.0.attn.q.weight").padded is None
     _exact(model, first, torch.randn(3, 11, 40))
     _exact(model, second, torch.randn(3, 11, 40))
+
+
+def test_a_read_the_rewrite_cannot_convert_is_an_error_not_the_value_as_it_is() -> None:
+    """An op that wants an input laid out in a way the rewrite has no conversion for (a column split's output, split
+    along its features, read as split along the tokens) raises, naming the value and both layouts: handed on
+    unconverted, the op would compute on one rank's features as if they were its tokens."""
+    from torch import nn
+
+    from tpcompile.passes.rewrite import _Emitter, _rewrite_node
+    from tpcompile.placement import Shard
+    from tpcompile.sharding_rules.rule_context import Want
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    sm = tpcompile.shard(model, 2, example_inputs=(torch.randn(2, 6, 16),))
+    em = _Emitter(sm.captured, sm.decisions, 0)
+    for node in sm.captured.graph.nodes:
+        _rewrite_node(em, node)
+        if sm.decisions.placement(node) == Shard(2):  # the first linear's output: its features split
+            break
+    assert em.converted(Want(node, Shard(2))) is em.env[node]  # read as it is laid out: itself
+    with pytest.raises(ValueError, match=rf"{node.name} is laid out S\(2\) here and read as S\(1\)seq, a conversion"):
+        em.converted(Want(node, Shard(1, seq=True)))

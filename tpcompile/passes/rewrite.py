@@ -107,6 +107,9 @@ class _Emitter:
                               src, w.placement.dim, self.plan.group)
         if w.grad_sync and isinstance(have, Replicate):
             return self._once(("grad_all_reduce", w.node), tp.grad_all_reduce.default, src, self.plan.group)
+        if have != w.placement:  # handed on as it is, the op would compute on a value laid out otherwise
+            raise ValueError(f"{w.node.name} is laid out {have} here and read as {w.placement}, a conversion the "
+                             f"rewrite has no step for")
         return src
 
     def _tokens_gathered(self, op: Any, value: Node, src: Node, have: Shard) -> Node:
