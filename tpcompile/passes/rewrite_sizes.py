@@ -47,13 +47,8 @@ def learn_size(em: Any, expr: Any, make: Callable[[], Any]) -> None:
     gives (a data-dependent count); when expr is a*u + b in one symbol u, u too (solved), so that other sizes made
     of u are found later."""
     expr = sympy.sympify(expr)
-    if getattr(expr, "is_number", False) or ("size", str(expr)) in em.cache:
+    if expr.is_number or ("size", str(expr)) in em.cache or expr.free_symbols <= _input_symbols(em):
         return
-    try:
-        size_node(em, expr)
-        return
-    except ValueError:
-        pass
     em.cache[("size", str(expr))] = size = make()
     if len(expr.free_symbols) != 1:
         return
@@ -63,3 +58,12 @@ def learn_size(em: Any, expr: Any, make: Callable[[], Any]) -> None:
         return
     base = em.call(operator.sub, size, int(b)) if b else size
     em.cache[("size", str(u))] = em.call(operator.floordiv, base, int(a)) if a != 1 else base
+
+
+def _input_symbols(em: Any) -> set:
+    """The symbols that are a model input's size (each a dim of its own), which `size_node` finds."""
+    if "input symbols" not in em.cache:
+        dims = [d for ph in em.gm.graph.nodes if ph.op == "placeholder"
+                for d in getattr(ph.meta.get("val"), "shape", ())]
+        em.cache["input symbols"] = {d.node.expr for d in dims if isinstance(d, torch.SymInt) and d.node.expr.is_symbol}
+    return em.cache["input symbols"]
