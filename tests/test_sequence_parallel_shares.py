@@ -418,3 +418,28 @@ def test_sharding_leaves_the_captured_length_dynamic() -> None:
     for length in (8, 11):
         report = tpcompile.check_gradients(model, sm, torch.randn(3, length, 32))
         assert report.ok, str(report)
+
+
+class _FlatGate(nn.Module):
+    """A feed-forward block, then its output viewed as (B*T, C) at sizes read off the input (a router's view of the
+    tokens, Zaya's), gated per token, and viewed back."""
+
+    def __init__(self, dim: int = 24) -> None:
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        y = x + self.fc2(torch.relu(self.fc1(self.norm(x))))
+        flat = y.view(b * t, c)
+        return (flat * torch.sigmoid(flat.sum(-1, keepdim=True))).view(b, t, c)
+
+
+@pytest.mark.parametrize("world_size,length", [(3, 7), (5, 13)])
+def test_a_view_of_flattened_token_shares_is_sized_by_the_share(world_size: int, length: int) -> None:
+    """A view to (B*T, C) of a token split is sized B times this rank's share of T, not B*T divided by the ranks
+    (which is no rank's size when the ranks do not divide T); outputs and gradients equal the original's."""
+    model = nn.Sequential(_FlatGate(), _FlatGate()).train()
+    sm = tpcompile.shard(model, world_size, example_inputs=(torch.randn(2, 8, 24),), sequence_parallel=True)
+    report = tpcompile.check_gradients(model, sm, torch.randn(3, length, 24))
+    assert report.ok, str(report)

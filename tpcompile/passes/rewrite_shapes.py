@@ -10,7 +10,7 @@ import torch
 from torch.fx import Node
 
 from tpcompile.passes.rewrite_sizes import size_node
-from tpcompile.passes.rewrite_tokens import local_tokens
+from tpcompile.passes.rewrite_tokens import local_flat_tokens, local_tokens
 from tpcompile.placement import Shard, is_seq
 from tpcompile.sharding_rules.rule_context import to_size
 
@@ -38,6 +38,10 @@ def _localize_one(em: Any, node: Node, args: list, kind: str, i: int, pos: int, 
         elif is_seq(p) and p.outer is None and ws == em.ws and (isinstance(sizes[pos], Node) or sizes[pos] != -1):
             with em.graph.inserting_before(node):  # this rank's share of the tokens (layouts/token_shares.py)
                 sizes[pos] = local_tokens(em, em.current.meta["val"].shape[p.dim], p, sizes[pos])
+                _spell_inferred(em, sizes)
+        elif is_seq(p) and ws == em.ws and (isinstance(sizes[pos], Node) or sizes[pos] != -1):
+            with em.graph.inserting_before(node):  # B sequences' tokens flattened: B times this rank's share of T
+                sizes[pos] = local_flat_tokens(em, em.current.meta["val"].shape[p.dim], p, sizes[pos])
                 _spell_inferred(em, sizes)
         elif isinstance(sizes[pos], int) and sizes[pos] != -1:
             local = sum(p.seg_local(ws)) if isinstance(p, Shard) and p.padding else sizes[pos] // ws

@@ -60,6 +60,27 @@ def local_tokens(em: Any, dim_size: Any, p: Shard, given: Any) -> Any:
     return share * found[1] if isinstance(share, int) else em.call(operator.mul, share, found[1])
 
 
+def local_flat_tokens(em: Any, dim_size: Any, p: Shard, given: Any) -> Any:
+    """This rank's size of a dim of B sequences' tokens flattened ((B*T, C): `Shard(d, seq, outer=B)`) of global
+    `dim_size`, whose size the graph gives as `given`: B times its share of T, k entries a token."""
+    outer = size_node(em, p.outer)
+    found = token_total(em, dim_size, p)
+    if found is None:  # T read off the given size
+        inner = _tokens(dim_size, p)[1]
+        found = _arith(em, operator.floordiv, given, _arith(em, operator.mul, outer, inner)), inner
+    share = token_share(em, found[0])
+    return _arith(em, operator.mul, _arith(em, operator.mul, outer, share), found[1])
+
+
+def _arith(em: Any, op: Any, a: Any, b: Any) -> Any:
+    """op(a, b) on sizes, each an int or a node of the rank graph (a node only when one is)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return op(a, b)
+    if op is operator.mul and (a == 1 or b == 1):
+        return b if a == 1 else a
+    return em.call(op, a, b)
+
+
 def _view(em: Any, x: Node, p: Shard, tokens: Any, inner: int) -> tuple[Node, int]:
     """x with its split dim as (B, tokens, k) (B when flattened with the batch, k when > 1); the tokens' dim."""
     sizes = ([size_node(em, p.outer)] if p.outer is not None else []) + [tokens] + ([inner] if inner > 1 else [])
