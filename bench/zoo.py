@@ -62,8 +62,9 @@ def collectives(sm: Any, events: list) -> dict[str, Any]:
             "outside_layers": sum(n for b, n in by_block.items() if layer_of(b) is None)}
 
 
-def run_ws(model_type: str, ws: int) -> dict[str, Any]:
-    """Shard `model_type` at `ws` ranks, simulate them on another batch and length, compare with the original."""
+def run_ws(model_type: str, ws: int, sequence_parallel: bool = False) -> dict[str, Any]:
+    """Shard `model_type` at `ws` ranks, simulate them on another batch and length, compare with the original; with
+    `sequence_parallel`, its gradients too (`grads`: tpcompile.check_gradients)."""
     import tpcompile
     from hf_models import balanced_bytes, param_bytes
     from tpcompile.cli.compare import check_outputs
@@ -75,7 +76,8 @@ def run_ws(model_type: str, ws: int) -> dict[str, Any]:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", tpcompile.TPCompileWarning)
-            sm = tpcompile.shard(model, ws, example_kwargs=zoo_inputs(model, *EXAMPLE, seed=1))
+            sm = tpcompile.shard(model, ws, example_kwargs=zoo_inputs(model, *EXAMPLE, seed=1),
+                                 sequence_parallel=sequence_parallel)
         row["warnings"] = [str(w.message) for w in caught if issubclass(w.category, tpcompile.TPCompileWarning)]
         local, total = param_bytes(model, sm)
         row.update(share=local / total, total_bytes=total, balanced=local / balanced_bytes(model, sm))
@@ -90,13 +92,19 @@ def run_ws(model_type: str, ws: int) -> dict[str, Any]:
         bad = [c for c in checks if not c.ok]
         if bad:
             row["reason"] = f"output {bad[0].path} differs by {bad[0].worst:.2e} (allowed {bad[0].allowed:.2e})"
+        if sequence_parallel and row["equal"]:  # the backward's collectives differ from the forward's under SP
+            report = tpcompile.check_gradients(model, sm, **kw)
+            row["grads"] = report.ok
+            if not report.ok:
+                row["reason"] = report.verdict()[:300]
     except Exception as exc:  # noqa: BLE001  a failing world size is a row with its reason, not a crash
         row.update(equal=False, reason=one_line(exc), error=type(exc).__name__)
     row["seconds"] = round(time.perf_counter() - start, 2)
     return row
 
 
-def run_arch(model_type: str, world_sizes: tuple[int, ...] = WORLD_SIZES) -> dict[str, Any]:
+def run_arch(model_type: str, world_sizes: tuple[int, ...] = WORLD_SIZES,
+             sequence_parallel: bool = False) -> dict[str, Any]:
     """One architecture's row: why it cannot run unsharded, or its result at each of `world_sizes`."""
     import transformers
 
@@ -111,7 +119,7 @@ def run_arch(model_type: str, world_sizes: tuple[int, ...] = WORLD_SIZES) -> dic
         row.update(status="unsharded fails", reason=why)
     else:
         row["params"] = sum(p.numel() for p in zoo_build(model_type).parameters())
-        row["ws"] = {str(ws): run_ws(model_type, ws) for ws in world_sizes}
+        row["ws"] = {str(ws): run_ws(model_type, ws, sequence_parallel) for ws in world_sizes}
         row["status"] = status(row)
     row["seconds"] = round(time.perf_counter() - start, 2)
     return row
@@ -125,12 +133,13 @@ def status(row: dict[str, Any]) -> str:
     return "split" if all(r["share"] * r["ws"] <= HELD for r in runs) else "equal"
 
 
-def run_isolated(model_type: str, budget_s: float, world_sizes: tuple[int, ...] = WORLD_SIZES) -> dict[str, Any]:
+def run_isolated(model_type: str, budget_s: float, world_sizes: tuple[int, ...] = WORLD_SIZES,
+                 sequence_parallel: bool = False) -> dict[str, Any]:
     """run_arch in a child process under a time budget; a crash or timeout becomes a row with its reason."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "row.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--one", model_type, "--result", str(out),
-               *[f"--world-size={ws}" for ws in world_sizes]]
+               *[f"--world-size={ws}" for ws in world_sizes], *(["--sequence-parallel"] if sequence_parallel else [])]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TPCOMPILE_PROGRESS": "0"}
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -182,9 +191,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--docs", type=Path, default=DOCS)
     ap.add_argument("--one", help=argparse.SUPPRESS)  # the child process: run one architecture
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--sequence-parallel", action="store_true", help=argparse.SUPPRESS)  # the child's (bench/zoo_sp.py)
     args = ap.parse_args(argv)
     if args.one:
-        args.result.write_text(json.dumps(run_arch(args.one, tuple(args.world_size or WORLD_SIZES))))
+        args.result.write_text(json.dumps(run_arch(args.one, tuple(args.world_size or WORLD_SIZES),
+                                                   args.sequence_parallel)))
         return 0
     names = zoo_types()
     unknown = [n for n in args.only if n not in names]
