@@ -140,6 +140,18 @@ def test_alibi_bias_runs_at_other_lengths_after_one_shard() -> None:
     assert _shared(sm, sm.shapes.sharded_for(_ids((2, 20))), "blocks.0.qkv.weight")
 
 
+def test_check_gradients_at_another_length_runs_its_capture() -> None:
+    """check_gradients runs the ranks as tpcompile.simulate does: at a length the first capture's guards refuse, on
+    the capture for it (sharing the first's weights); before, it raised the guard's InputShapeError."""
+    model = AlibiLM().eval()
+    with pytest.warns(tpcompile.TPCompileWarning, match="dim 1 is fixed at 12"):
+        sm = tpcompile.shard(model, 2, example_inputs=(_ids((2, 12)),))
+    with pytest.warns(tpcompile.TPCompileWarning, match="re-sharded"):
+        report = tpcompile.check_gradients(model, sm, _ids((3, 9)))
+    assert report.ok, str(report)
+    assert sm.shapes.reshards == 1 and _shared(sm, sm.shapes.sharded_for(_ids((3, 9))), "blocks.0.qkv.weight")
+
+
 def test_encoder_padding_mask_runs_at_other_batch_sizes_after_one_shard() -> None:
     """Sharded at batch 2, the encoder whose mask loops over the batch equals the original at batches 3, 5 and 4."""
     model = MaskedEncoder().eval()

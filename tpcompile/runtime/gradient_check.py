@@ -40,6 +40,8 @@ def check_gradients(model: nn.Module, sharded: Any, *args: Any, loss_fn: Optiona
     if not isinstance(sharded, ShardedModel):
         raise TPCompileError(f"check_gradients needs the ShardedModel that tpcompile.shard(model, ...) returned as "
                              f"its second argument, got {type(sharded).__name__}")
+    if sharded.shapes is not None:  # a shape its guards refuse: the capture for it, as tpcompile.simulate runs
+        sharded = sharded.shapes.sharded_for(*args, **kwargs)
     _refuse_live_dropout(model, sharded)
     ws = sharded.world_size
     ranks = [sharded.rank(r) for r in range(ws)]  # built here, not on the rank threads
