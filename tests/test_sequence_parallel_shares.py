@@ -443,3 +443,30 @@ def test_a_view_of_flattened_token_shares_is_sized_by_the_share(world_size: int,
     sm = tpcompile.shard(model, world_size, example_inputs=(torch.randn(2, 8, 24),), sequence_parallel=True)
     report = tpcompile.check_gradients(model, sm, torch.randn(3, length, 24))
     assert report.ok, str(report)
+
+
+class _TwoStreams(nn.Module):
+    """Two streams of the same tokens run through one block side by side along the tokens (ProphetNet's main and
+    predicting streams), then split apart again at the length read off the input."""
+
+    def __init__(self, dim: int = 24) -> None:
+        super().__init__()
+        self.block = _FlatGate(dim)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        both = self.block(torch.cat([x, self.norm(x)], 1))
+        main, other = both.split([t, t], 1)
+        return main + other
+
+
+@pytest.mark.parametrize("world_size,length", [(3, 7), (5, 8)])
+def test_a_split_along_the_tokens_gathers_them_and_leaves_the_length_dynamic(world_size: int, length: int) -> None:
+    """A split of a token split along its tokens: the pieces are not pieces of each rank's share, so the tokens are
+    gathered first. Before, the split rule read the pieces' sizes as ints, which fixed the length at the example's
+    (the suite fails on the warning that says so); outputs and gradients equal the original's."""
+    model = nn.Sequential(_TwoStreams(), _TwoStreams()).train()
+    sm = tpcompile.shard(model, world_size, example_inputs=(torch.randn(2, 6, 24),), sequence_parallel=True)
+    report = tpcompile.check_gradients(model, sm, torch.randn(3, length, 24))
+    assert report.ok, str(report)

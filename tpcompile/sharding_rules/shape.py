@@ -269,6 +269,8 @@ def split(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return _fail(node, f"split along dim {dim}, which is split within pieces")
     if p.dim != dim:
         return Result(tuple(p for _ in pieces), [Want(x, p)])
+    if p.seq:  # pieces of the tokens are not pieces of each rank's share (the tokens are gathered first)
+        return _fail(node, f"split along dim {dim}, whose tokens the ranks hold in shares")
     if p.seg_padded or p.rank_cuts:  # segments each padded, or one piece a rank: pieces of whole cut segments
         return split_cut_segments(node, p, [int(s[dim]) for s in pieces], ctx.world_size)
     segs, ws = list(p.segments or (ctx.shape(x)[dim],)), ctx.world_size
