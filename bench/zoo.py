@@ -161,6 +161,25 @@ def run_isolated(model_type: str, budget_s: float, world_sizes: tuple[int, ...] 
                 "seconds": round(time.perf_counter() - start, 2)}
 
 
+def run_rows(rows: dict[str, Any], names: list[str], args: Any, cache: Path, ws: int, sequence_parallel: bool = False,
+             show: Any = lambda row: row["status"]) -> list[str]:
+    """The runs at one world size (bench/zoo_uneven.py, bench/zoo_sp.py): each architecture of --only (all by
+    default) without a row in `rows` (every one with --rerun) run and cached, unless --render; then the names still
+    without a row, said."""
+    if not args.render:
+        for name in args.only or names:
+            if name in rows and not args.rerun:
+                continue
+            rows[name] = run_isolated(name, args.budget, (ws,), sequence_parallel=sequence_parallel)
+            save_cache(cache, rows, (ws,))
+            print(f"{name}: {show(rows[name])} ({rows[name]['seconds']:.0f} s)", file=sys.stderr, flush=True)
+    missing = [n for n in names if n not in rows]
+    if missing:
+        print(f"not written: {len(missing)} architectures have no row yet ({', '.join(missing[:5])}, ...)",
+              file=sys.stderr)
+    return missing
+
+
 def load_cache(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """The cache's versions and dates, and its rows by architecture (both {} when there is no cache)."""
     data = json.loads(path.read_text()) if path.exists() else {}

@@ -1,6 +1,7 @@
 """The zoo's rows as the markdown section at the end of docs/architectures.md: totals, the table, the reasons."""
 from __future__ import annotations
 
+import argparse
 import re
 from collections import Counter
 from pathlib import Path
@@ -144,3 +145,23 @@ def replace_section(docs: Path, section: str, begin: str, end: str) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + section
     docs.write_text(text, encoding="utf-8")
+
+
+def class_lines(reasons: list[str]) -> list[str]:
+    """A docs section's table of the classes of `reasons` (`failure_class`), the most common first."""
+    classes = Counter(failure_class(r) for r in reasons)
+    return ["", "| count | class (names and numbers blanked) |", "|---:|---|"] + [
+        f"| {n} | {_cell(c)} |" for c, n in classes.most_common()]
+
+
+def zoo_arguments(description: str, world_size: int, budget: float, docs: Path) -> argparse.ArgumentParser:
+    """The options the zoo's runs at other world sizes share: --only, --rerun, --render, --budget, --world-size and
+    --docs."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--only", action="append", default=[], metavar="NAME", help="this model type (repeatable)")
+    ap.add_argument("--rerun", action="store_true", help="run the chosen architectures even when cached")
+    ap.add_argument("--render", action="store_true", help="only write the docs section from the cache")
+    ap.add_argument("--budget", type=float, default=budget, help="seconds per architecture")
+    ap.add_argument("--world-size", type=int, default=world_size, help="ranks (default %(default)s)")
+    ap.add_argument("--docs", type=Path, default=docs)
+    return ap

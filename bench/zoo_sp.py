@@ -7,10 +7,8 @@ between the zoo_sp5 markers of docs/architectures.md).
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
@@ -18,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from bench import zoo  # noqa: E402
-from bench.zoo_render import _cell, _pct, failure_class, replace_section  # noqa: E402
+from bench.zoo_render import _cell, _pct, class_lines, replace_section, zoo_arguments  # noqa: E402
 
 WORLD_SIZE = 5
 
@@ -67,36 +65,18 @@ def render(rows: dict[str, Any], meta: dict[str, Any], world_size: int = WORLD_S
     ]
     missed = sorted(a for a, (ok, _) in verdicts.items() if not ok)
     lines += [f"| {a} | {_cell(verdicts[a][1][:260])} |" for a in missed]
-    classes = Counter(failure_class(verdicts[a][1]) for a in missed)
-    lines += ["", "| count | class (names and numbers blanked) |", "|---:|---|"]
-    lines += [f"| {n} | {_cell(c)} |" for c, n in classes.most_common()]
+    lines += class_lines([verdicts[a][1] for a in missed])
     return "\n".join(lines + ["", end]) + "\n"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", action="append", default=[], metavar="NAME", help="this model type (repeatable)")
-    ap.add_argument("--rerun", action="store_true", help="run the chosen architectures even when cached")
-    ap.add_argument("--render", action="store_true", help="only write the docs section from the cache")
-    ap.add_argument("--budget", type=float, default=zoo.BUDGET_S, help="seconds per architecture")
-    ap.add_argument("--world-size", type=int, default=WORLD_SIZE, help="ranks (default %(default)s)")
-    ap.add_argument("--docs", type=Path, default=zoo.DOCS)
+    ap = zoo_arguments(__doc__.splitlines()[0], WORLD_SIZE, zoo.BUDGET_S, zoo.DOCS)
     args = ap.parse_args(argv)
     ws, cache = args.world_size, cache_path(args.world_size)
     names = zoo.zoo_types()
     rows = {k: v for k, v in zoo.load_cache(cache)[1].items() if k in names}
     start = time.perf_counter()
-    if not args.render:
-        for name in args.only or names:
-            if name in rows and not args.rerun:
-                continue
-            rows[name] = zoo.run_isolated(name, args.budget, (ws,), sequence_parallel=True)
-            zoo.save_cache(cache, rows, (ws,))
-            print(f"{name}: {verdict(rows[name], ws)} ({rows[name]['seconds']:.0f} s)", file=sys.stderr, flush=True)
-    missing = [n for n in names if n not in rows]
-    if missing:
-        print(f"not written: {len(missing)} architectures have no row yet ({', '.join(missing[:5])}, ...)",
-              file=sys.stderr)
+    if zoo.run_rows(rows, names, args, cache, ws, True, lambda row: verdict(row, ws)):
         return 1
     replace_section(args.docs, render(rows, zoo.load_cache(cache)[0], ws), *markers(ws))
     print(f"wrote the {markers(ws)[0][5:-4]} section of {args.docs} ({time.perf_counter() - start:.0f} s)",

@@ -8,11 +8,9 @@ section, which sits between the zoo_uneven markers of docs/architectures.md, zoo
 """
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from bench import zoo  # noqa: E402
-from bench.zoo_render import _cell, _pct, failure_class, replace_section  # noqa: E402
+from bench.zoo_render import _cell, _pct, class_lines, failure_class, replace_section, zoo_arguments  # noqa: E402
 
 WORLD_SIZE = 3
 BALANCED = 1.15  # the largest rank may hold at most this many times a split balanced by units
@@ -118,38 +116,20 @@ def render(rows: dict[str, Any], base: dict[str, Any], meta: dict[str, Any], wor
                 f"{len(got['warnings'])} ({len(new_warnings(got['warnings'], base.get(a)))})") \
             if "balanced" in got else "- | - | - | -"
         lines.append(f"| {a} | {nums} | {_cell(verdicts[a][1][:220])} |")
-    classes = Counter(failure_class(verdicts[a][1]) for a in missed)
-    lines += ["", "| count | class (names and numbers blanked) |", "|---:|---|"]
-    lines += [f"| {n} | {_cell(c)} |" for c, n in classes.most_common()]
+    lines += class_lines([verdicts[a][1] for a in missed])
     return "\n".join(lines + ["", end]) + "\n"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", action="append", default=[], metavar="NAME", help="this model type (repeatable)")
-    ap.add_argument("--rerun", action="store_true", help="run the chosen architectures even when cached")
-    ap.add_argument("--render", action="store_true", help="only write the docs section from the cache")
-    ap.add_argument("--budget", type=float, default=zoo.BUDGET_S, help="seconds per architecture")
-    ap.add_argument("--world-size", type=int, default=WORLD_SIZE, help="ranks (default %(default)s)")
+    ap = zoo_arguments(__doc__.splitlines()[0], WORLD_SIZE, zoo.BUDGET_S, zoo.DOCS)
     ap.add_argument("--cache", type=Path, help="the rows' cache (default bench/results/zoo_ws<N>.json)")
-    ap.add_argument("--docs", type=Path, default=zoo.DOCS)
     args = ap.parse_args(argv)
     ws = args.world_size
     args.cache = args.cache or cache_path(ws)
     names = zoo.zoo_types()
     rows = {k: v for k, v in zoo.load_cache(args.cache)[1].items() if k in names}
     start = time.perf_counter()
-    if not args.render:
-        for name in args.only or names:
-            if name in rows and not args.rerun:
-                continue
-            rows[name] = zoo.run_isolated(name, args.budget, (ws,))
-            zoo.save_cache(args.cache, rows, (ws,))
-            print(f"{name}: {rows[name]['status']} ({rows[name]['seconds']:.0f} s)", file=sys.stderr, flush=True)
-    missing = [n for n in names if n not in rows]
-    if missing:
-        print(f"not written: {len(missing)} architectures have no row yet ({', '.join(missing[:5])}, ...)",
-              file=sys.stderr)
+    if zoo.run_rows(rows, names, args, args.cache, ws):
         return 1
     base = zoo.load_cache(zoo.CACHE)[1]
     replace_section(args.docs, render(rows, base, zoo.load_cache(args.cache)[0], ws), *markers(ws))
