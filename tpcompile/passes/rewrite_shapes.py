@@ -35,13 +35,11 @@ def _localize_one(em: Any, node: Node, args: list, kind: str, i: int, pos: int, 
                 outer = size_node(em, p.outer)
                 per = p.padded // ws
                 sizes[pos] = outer * per if isinstance(outer, int) else em.call(operator.mul, outer, per)
-        elif is_seq(p) and p.outer is None and ws == em.ws and (isinstance(sizes[pos], Node) or sizes[pos] != -1):
-            with em.graph.inserting_before(node):  # this rank's share of the tokens (layouts/token_shares.py)
-                sizes[pos] = local_tokens(em, em.current.meta["val"].shape[p.dim], p, sizes[pos])
-                _spell_inferred(em, sizes)
         elif is_seq(p) and ws == em.ws and (isinstance(sizes[pos], Node) or sizes[pos] != -1):
-            with em.graph.inserting_before(node):  # B sequences' tokens flattened: B times this rank's share of T
-                sizes[pos] = local_flat_tokens(em, em.current.meta["val"].shape[p.dim], p, sizes[pos])
+            # this rank's share of the tokens (layouts/token_shares.py); of B sequences' flattened: B times it
+            local = local_tokens if p.outer is None else local_flat_tokens
+            with em.graph.inserting_before(node):
+                sizes[pos] = local(em, em.current.meta["val"].shape[p.dim], p, sizes[pos])
                 _spell_inferred(em, sizes)
         elif isinstance(sizes[pos], int) and sizes[pos] != -1:
             local = sum(p.seg_local(ws)) if isinstance(p, Shard) and p.padding else sizes[pos] // ws

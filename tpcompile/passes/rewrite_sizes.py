@@ -37,7 +37,7 @@ def size_node(em: Any, expr: Any) -> Any:
             parts = [size_node(em, a) for a in expr.args]
             out = parts[0]
             for part in parts[1:]:
-                out = op(out, part) if isinstance(out, int) and isinstance(part, int) else em.call(op, out, part)
+                out = size_op(em, op, out, part)
             em.cache[key] = out
     return em.cache[key]
 
@@ -53,11 +53,22 @@ def learn_size(em: Any, expr: Any, make: Callable[[], Any]) -> None:
     if len(expr.free_symbols) != 1:
         return
     (u,) = expr.free_symbols
-    a, b = sympy.Poly(expr, u).all_coeffs() if sympy.Poly(expr, u).degree() == 1 else (None, None)
+    poly = sympy.Poly(expr, u)
+    a, b = poly.all_coeffs() if poly.degree() == 1 else (None, None)
     if a is None or not (a.is_Integer and b.is_Integer) or ("size", str(u)) in em.cache:
         return
-    base = em.call(operator.sub, size, int(b)) if b else size
-    em.cache[("size", str(u))] = em.call(operator.floordiv, base, int(a)) if a != 1 else base
+    base = size_op(em, operator.sub, size, int(b)) if b else size
+    em.cache[("size", str(u))] = size_op(em, operator.floordiv, base, int(a)) if a != 1 else base
+
+
+def size_op(em: Any, op: Any, a: Any, b: Any) -> Any:
+    """op(a, b) on sizes, each an int or a node of the rank graph: an int of two ints, else a node (a product with
+    1 is the other size, no node)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return op(a, b)
+    if op is operator.mul and (a == 1 or b == 1):
+        return b if a == 1 else a
+    return em.call(op, a, b)
 
 
 def _input_symbols(em: Any) -> set:

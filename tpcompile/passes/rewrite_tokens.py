@@ -17,7 +17,7 @@ import torch
 from torch.fx import Node
 
 from tpcompile.layouts import token_shares
-from tpcompile.passes.rewrite_sizes import learn_size, size_node
+from tpcompile.passes.rewrite_sizes import learn_size, size_node, size_op
 from tpcompile.placement import Shard, is_seq
 from tpcompile.sharding_rules.rule_context import to_size
 
@@ -56,8 +56,7 @@ def local_tokens(em: Any, dim_size: Any, p: Shard, given: Any) -> Any:
     found = token_total(em, dim_size, p) if _tokens(dim_size, p)[1] > 1 else None  # k entries a token: T's share
     if found is None:
         return token_share(em, given)
-    share = token_share(em, found[0])
-    return share * found[1] if isinstance(share, int) else em.call(operator.mul, share, found[1])
+    return size_op(em, operator.mul, token_share(em, found[0]), found[1])
 
 
 def local_flat_tokens(em: Any, dim_size: Any, p: Shard, given: Any) -> Any:
@@ -67,18 +66,9 @@ def local_flat_tokens(em: Any, dim_size: Any, p: Shard, given: Any) -> Any:
     found = token_total(em, dim_size, p)
     if found is None:  # T read off the given size
         inner = _tokens(dim_size, p)[1]
-        found = _arith(em, operator.floordiv, given, _arith(em, operator.mul, outer, inner)), inner
+        found = size_op(em, operator.floordiv, given, size_op(em, operator.mul, outer, inner)), inner
     share = token_share(em, found[0])
-    return _arith(em, operator.mul, _arith(em, operator.mul, outer, share), found[1])
-
-
-def _arith(em: Any, op: Any, a: Any, b: Any) -> Any:
-    """op(a, b) on sizes, each an int or a node of the rank graph (a node only when one is)."""
-    if isinstance(a, int) and isinstance(b, int):
-        return op(a, b)
-    if op is operator.mul and (a == 1 or b == 1):
-        return b if a == 1 else a
-    return em.call(op, a, b)
+    return size_op(em, operator.mul, size_op(em, operator.mul, outer, share), found[1])
 
 
 def _view(em: Any, x: Node, p: Shard, tokens: Any, inner: int) -> tuple[Node, int]:
