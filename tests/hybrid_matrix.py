@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from sgd_steps import loss_gap
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_hybrid.py"
 PYTHON = sys.executable
@@ -56,9 +58,8 @@ def layout_args(dp: int, tp: int, pp: int) -> list[str]:
 
 
 def worst_relative(got: list[float], want: list[float]) -> float:
-    """The largest |got - want| / |want| over the steps."""
-    assert len(got) == len(want), (got, want)
-    return max(abs(a - b) / abs(b) for a, b in zip(got, want))
+    """The largest |got - want| / |want| over the steps (inf for a count that differs or a loss not finite)."""
+    return loss_gap(got, want, floor=0.0)
 
 
 def record(kind: str, row: dict[str, Any]) -> None:

@@ -1,6 +1,7 @@
 """SGD steps on a module, for tests that compare training on the ranks with training in one process."""
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -16,3 +17,11 @@ def sgd_losses(module: torch.nn.Module, xs: Sequence[torch.Tensor], lr: float) -
         opt.step()
         losses.append(float(loss.detach()))
     return losses
+
+
+def loss_gap(got: Sequence[float], want: Sequence[float], floor: float = 1e-6) -> float:
+    """The largest |got - want| / max(|want|, floor) over the steps; inf when the counts differ or a loss is not
+    finite (a nan compares false with everything, so a plain max over the steps could pass over it)."""
+    if len(got) != len(want) or not all(math.isfinite(v) for v in (*got, *want)):
+        return math.inf
+    return max(abs(a - b) / max(abs(b), floor) for a, b in zip(got, want))
