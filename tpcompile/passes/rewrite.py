@@ -18,6 +18,7 @@ from tpcompile.passes.pending_sums import reduce_site, sum_paths
 from tpcompile.passes.rank_module import build_rank_module
 from tpcompile.passes.rewrite_dropout import (emit_dropout, emit_sdpa_with_dropout, is_idle_dropout, is_live_dropout,
                                              sdpa_dropout)
+from tpcompile.passes.rewrite_grad_mask import grad_masked
 from tpcompile.passes.rewrite_regions import emit_region, is_region
 from tpcompile.passes.rewrite_shapes import localize
 from tpcompile.passes.rewrite_slices import local_slice, zero_padding
@@ -191,7 +192,8 @@ REWRITES: list[tuple[Match, Emit]] = [
     (lambda plan, node: is_idle_dropout(node), lambda em, node, lookup: lookup(node.args[0])),  # off: no op
     (lambda plan, node: is_live_dropout(node), emit_dropout),  # mask from each element's place in the whole
     (lambda plan, node: _is_sdpa_with_dropout(node), emit_sdpa_with_dropout),  # attention spelled out, masked
-    (lambda plan, node: True, _emit_copy),  # everything else: the same op on local values
+    # everything else: the same op on local values (inputs of a derivative unbounded at the padding masked there)
+    (lambda plan, node: True, lambda em, node, lookup: _emit_copy(em, node, grad_masked(em, node, lookup))),
 ]
 
 

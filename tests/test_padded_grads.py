@@ -1,0 +1,94 @@
+"""Gradients through ops whose derivative is unbounded where a zero-padded split holds its padding.
+
+The padding of a split the world size does not divide holds zeros (or what an op made of them); an op such as
+sqrt(1 - exp(0)) has an infinite derivative there. Its output gradient at the padding is zero (the row split after
+it drops the padding), so the chain rule gives 0 * inf = nan at the padding, and the nan then crosses into real
+gradients through the padded rows of the weights before it (nan * 0). Each model here has such an op on a padded
+value, its real entries well inside the op's domain: the gradients at 3 and 5 ranks must equal the original's.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tpcompile
+from tpcompile.runtime import launch
+
+from padded_checks import shard as _shard
+from sgd_steps import loss_gap, sgd_losses
+
+
+class DecayGate(torch.nn.Module):
+    """A gated linear recurrence's normaliser: sqrt(1 - a^2), a = exp(-sigmoid(gate) * softplus(rate)), the rate one
+    value a channel (the padding of the sliced rate, and so of a, makes 1 - a^2 zero)."""
+
+    def __init__(self, width: int = 38) -> None:
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(32)
+        self.up, self.down = torch.nn.Linear(32, width), torch.nn.Linear(width, 32)
+        self.rate = torch.nn.Parameter(torch.rand(width) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x)
+        a = torch.exp(-torch.sigmoid(self.up(x)) * F.softplus(self.rate))
+        return self.down(torch.sqrt(1 - a * a) * x.mean(-1, keepdim=True))
+
+
+class InverseScale(torch.nn.Module):
+    """A channel-wise scale divided by and logged: x / s and log(s), s = softplus(scale) * sigmoid(up(x)) (zero at
+    the padding), then a reciprocal square root and a power below one."""
+
+    def __init__(self, width: int = 38) -> None:
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(32)
+        self.up, self.down = torch.nn.Linear(32, width), torch.nn.Linear(width, 32)
+        self.scale = torch.nn.Parameter(torch.rand(width) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x)
+        s = F.softplus(self.scale) * torch.sigmoid(self.up(x))
+        h = torch.log(s) + x.mean(-1, keepdim=True) / s + torch.rsqrt(s) + s.pow(0.5)
+        return self.down(h)
+
+
+@pytest.mark.parametrize("ws", [3, 5])
+@pytest.mark.parametrize("cls", [DecayGate, InverseScale])
+def test_gradients_through_singular_ops_on_padding(cls: type, ws: int) -> None:
+    torch.manual_seed(0)
+    model = cls()
+    sm, warned = _shard(model, ws)
+    assert warned == []
+    assert sm.plan.parameters["up.weight"].role == "column" and sm.plan.parameters["down.weight"].role == "row"
+    x = torch.randn(3, 7, 32)
+    report = tpcompile.check_gradients(model, sm, x)
+    assert report.ok, str(report)
+
+    def finite(r: int) -> list[str]:  # the padded rows' gradients too (a clipped norm would be nan)
+        rank = sm.rank(r)
+        rank(x).square().sum().backward()
+        return [n for n, p in rank.named_parameters() if p.grad is not None and not p.grad.isfinite().all()]
+    assert tpcompile.simulate_ranks(ws, finite) == [[]] * ws
+
+
+def _sgd_on_gloo(rank: int) -> dict:
+    """On one of 3 gloo processes: three SGD steps of each model above parallelized, their losses' largest relative
+    difference from one process's."""
+    out = {}
+    for cls in (DecayGate, InverseScale):
+        torch.manual_seed(0)
+        model = cls()
+        xs = [torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        want = sgd_losses(copy.deepcopy(model).train(), xs, lr=0.1)
+        got = sgd_losses(tpcompile.parallelize(model, example_inputs=(torch.randn(2, 5, 32),)).train(), xs, lr=0.1)
+        out[cls.__name__] = loss_gap(got, want)
+    return out
+
+
+@pytest.mark.gloo
+def test_sgd_through_singular_ops_on_three_processes() -> None:
+    """Three SGD steps on 3 gloo processes equal one process's (a nan gradient would make the losses nan)."""
+    for rank, diffs in enumerate(launch(3, _sgd_on_gloo, timeout=300)):
+        assert len(diffs) == 2 and max(diffs.values()) < 1e-4, (rank, diffs)

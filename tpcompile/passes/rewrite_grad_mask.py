@@ -1,0 +1,82 @@
+"""Finite gradients at the padding: the inputs of an op whose derivative is unbounded where padding may sit.
+
+The padding of a split the world size does not divide holds zeros, or what the ops since made of zeros: a rate
+sliced from a whole value is zero-padded, exp(-0) is 1, 1 - 1 is 0. An op such as sqrt, log or a division has an
+infinite derivative there; the gradient that reaches the padding is zero (the row split after it drops the padding),
+so its backward gives 0 * inf = nan at the padding, and the nan crosses into real gradients through the padded rows
+of the weights before it (nan * 0), and into the padded rows' own gradients (an optimizer step or a clipped norm
+then spreads it). Each tensor input of such an op goes through `where(real, x, x.detach())` on a rank whose block
+of a padded input holds padding: the same value forward, a gradient of exactly zero at the padding.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.fx import Node
+
+from tpcompile.layouts import dim_layout
+from tpcompile.placement import Shard
+from tpcompile.sharding_rules.rule_context import to_size
+
+aten = torch.ops.aten
+
+# Ops whose derivative is unbounded at a value padding may hold (0 for most; +-1 for the inverse trigonometric ones).
+UNBOUNDED_DERIVATIVE = frozenset((
+    "aten.sqrt.default", "aten.rsqrt.default", "aten.log.default", "aten.log2.default", "aten.log10.default",
+    "aten.reciprocal.default", "aten.div.Tensor", "aten.div.Tensor_mode", "aten.pow.Tensor_Tensor",
+    "aten.atan2.default", "aten.acos.default", "aten.asin.default", "aten.atanh.default", "aten.xlogy.Tensor",
+    "aten.special_xlog1py.default", "aten.linalg_vector_norm.default", "aten.norm.ScalarOpt_dim",
+))
+# A power's derivative x^(e-1) is unbounded at 0 for an exponent below one (other than 0).
+_POW = "aten.pow.Tensor_Scalar"
+# Ops whose other operands are not elementwise with the padded one: only the padded input is masked.
+_ONE_INPUT = frozenset(("aten.linalg_vector_norm.default", "aten.norm.ScalarOpt_dim"))
+
+
+def unbounded_at_padding(node: Node) -> bool:
+    """True for an op of the table (a power by an exponent below one included)."""
+    name = str(node.target)
+    if name == _POW:
+        e = node.args[1]
+        return isinstance(e, (int, float)) and e < 1 and e != 0
+    return name in UNBOUNDED_DERIVATIVE
+
+
+def grad_masked(em: Any, node: Node, lookup: Callable[[Node], Node]) -> Callable[[Node], Node]:
+    """`lookup` with the tensor inputs of an op of the table masked at this rank's padding (unchanged otherwise)."""
+    if node.op != "call_function" or not unbounded_at_padding(node):
+        return lookup
+    masks = [m for m in (_mask(em, a, lookup(a)) for a in node.all_input_nodes) if m is not None]
+    if not masks:
+        return lookup
+    inputs = [node.all_input_nodes[0]] if str(node.target) in _ONE_INPUT else node.all_input_nodes
+    masked = {}
+    for a in inputs:
+        if isinstance(a.meta.get("val"), torch.Tensor):
+            x = lookup(a)
+            for mask in masks:
+                x = em.call(aten.where.self, mask, x, em.call(aten.detach.default, x))
+            masked[a] = x
+    return lambda n: masked.get(n, lookup(n))
+
+
+def _mask(em: Any, src: Node, x: Node) -> Node | None:
+    """The boolean mask of this rank's real entries of `src` along its padded dim (shaped to broadcast), or None when
+    its block holds no padding."""
+    p, val = em.plan.placement(src), src.meta.get("val")
+    if not isinstance(p, Shard) or p.padding is None and not p.rank_cuts or p.outer is not None \
+            or not isinstance(val, torch.Tensor):
+        return None
+    runs = [(n, block) for _, _, n, block in dim_layout(p, int(to_size(val.shape[p.dim])), em.ws).runs(em.rank)]
+    if all(n == block for n, block in runs):
+        return None
+    key = ("padding_mask", tuple(runs), val.dim() - p.dim)
+    if key not in em.cache:
+        parts = []
+        for n, block in runs:
+            parts += [em.call(aten.new_ones.default, x, [n], dtype=torch.bool)] if n else []
+            parts += [em.call(aten.new_zeros.default, x, [block - n], dtype=torch.bool)] if block > n else []
+        mask = parts[0] if len(parts) == 1 else em.call(aten.cat.default, parts)
+        em.cache[key] = em.call(aten.view.default, mask, [-1] + [1] * (val.dim() - p.dim - 1))
+    return em.cache[key]
