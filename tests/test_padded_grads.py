@@ -5,6 +5,8 @@ sqrt(1 - exp(0)) has an infinite derivative there. Its output gradient at the pa
 it drops the padding), so the chain rule gives 0 * inf = nan at the padding, and the nan then crosses into real
 gradients through the padded rows of the weights before it (nan * 0). Each model here has such an op on a padded
 value, its real entries well inside the op's domain: the gradients at 3 and 5 ranks must equal the original's.
+Where such an op makes an infinity of the padding (log(0), 1/0), a zero-padded value times it is nan there, not zero:
+the outputs must still equal the original's (the row split zeroes that padding) and the gradients too.
 """
 from __future__ import annotations
 
@@ -77,13 +79,14 @@ def _sgd_on_gloo(rank: int) -> dict:
     """On one of 3 gloo processes: three SGD steps of each model above parallelized, their losses' largest relative
     difference from one process's."""
     out = {}
-    for cls in (DecayGate, InverseScale):
+    for name, make in (("DecayGate", DecayGate), ("InverseScale", InverseScale),
+                       ("InfiniteFactor", lambda: InfiniteFactor("reciprocal"))):
         torch.manual_seed(0)
-        model = cls()
+        model = make()
         xs = [torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(i)) for i in range(3)]
         want = sgd_losses(copy.deepcopy(model).train(), xs, lr=0.1)
         got = sgd_losses(tpcompile.parallelize(model, example_inputs=(torch.randn(2, 5, 32),)).train(), xs, lr=0.1)
-        out[cls.__name__] = loss_gap(got, want)
+        out[name] = loss_gap(got, want)
     return out
 
 
@@ -91,4 +94,38 @@ def _sgd_on_gloo(rank: int) -> dict:
 def test_sgd_through_singular_ops_on_three_processes() -> None:
     """Three SGD steps on 3 gloo processes equal one process's (a nan gradient would make the losses nan)."""
     for rank, diffs in enumerate(launch(3, _sgd_on_gloo, timeout=300)):
-        assert len(diffs) == 2 and max(diffs.values()) < 1e-4, (rank, diffs)
+        assert len(diffs) == 3 and max(diffs.values()) < 1e-4, (rank, diffs)
+
+
+class InfiniteFactor(torch.nn.Module):
+    """A zero-padded projection times a factor whose padding is infinite (1 / s, log s; s zero at the padding): the
+    product's padding is nan, not zero, so the row split after it must zero it, and the product's gradient for the
+    projection (the factor) must not reach the padding."""
+
+    def __init__(self, kind: str, width: int = 38) -> None:
+        super().__init__()
+        self.kind, self.norm = kind, torch.nn.RMSNorm(32)
+        self.up, self.gate, self.down = (torch.nn.Linear(32, width), torch.nn.Linear(32, width),
+                                         torch.nn.Linear(width, 32))
+        self.scale = torch.nn.Parameter(torch.rand(width) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x)
+        s = F.softplus(self.scale) * torch.sigmoid(self.gate(x))
+        factor = 1 / s if self.kind == "reciprocal" else torch.log(s)
+        return self.down(self.up(x) * factor)
+
+
+@pytest.mark.parametrize("ws", [3, 5])
+@pytest.mark.parametrize("kind", ["reciprocal", "log"])
+def test_zero_times_an_infinite_padding_is_not_zero(kind: str, ws: int) -> None:
+    torch.manual_seed(0)
+    model = InfiniteFactor(kind)
+    sm, warned = _shard(model, ws)
+    assert warned == [] and sm.plan.parameters["up.weight"].role == "column"
+    x = torch.randn(3, 7, 32)
+    with torch.no_grad():
+        for out in tpcompile.simulate(sm, x):
+            torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-4)
+    report = tpcompile.check_gradients(model, sm, x)
+    assert report.ok, str(report)

@@ -17,6 +17,7 @@ from torch.fx import Node
 
 from tpcompile.layouts import dim_layout
 from tpcompile.placement import Shard
+from tpcompile.sharding_rules.padded import finite_padding
 from tpcompile.sharding_rules.rule_context import to_size
 
 aten = torch.ops.aten
@@ -44,8 +45,9 @@ def unbounded_at_padding(node: Node) -> bool:
 
 
 def grad_masked(em: Any, node: Node, lookup: Callable[[Node], Node]) -> Callable[[Node], Node]:
-    """`lookup` with the tensor inputs of an op of the table masked at this rank's padding (unchanged otherwise)."""
-    if node.op != "call_function" or not unbounded_at_padding(node):
+    """`lookup` with the tensor inputs of an op of the table, or of an op with an operand whose padding may hold an
+    infinity (the gradient of x * (1 / s) for x is 1 / s), masked at this rank's padding (unchanged otherwise)."""
+    if node.op != "call_function" or not (unbounded_at_padding(node) or not finite_padding(node, em.plan.placement)):
         return lookup
     masks = [m for m in (_mask(em, a, lookup(a)) for a in node.all_input_nodes) if m is not None]
     if not masks:
