@@ -129,3 +129,32 @@ def test_zero_times_an_infinite_padding_is_not_zero(kind: str, ws: int) -> None:
             torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-4)
     report = tpcompile.check_gradients(model, sm, x)
     assert report.ok, str(report)
+
+
+class QKNormAttention(torch.nn.Module):
+    """4 heads, queries and keys normalised per head (rsqrt(mean(q^2) + eps)): at the padded heads rsqrt(0 + eps), a
+    finite value with a finite derivative, which needs no mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(32, 32) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, 4, 8).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q, k = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) for h in (q, k))
+        return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, 32))
+
+
+@pytest.mark.parametrize("cls, masked", [(QKNormAttention, False), (DecayGate, True)])
+def test_masks_only_where_the_padding_needs_them(cls: type, masked: bool) -> None:
+    """The padding's value is worked out op by op (sharding_rules/padding_values.py): rsqrt(0 + eps) is finite, so
+    a per-head norm at 3 ranks (4 heads, the last rank's padded) gets no mask; sqrt(1 - exp(-0)) does, on the rank
+    holding padding only."""
+    torch.manual_seed(0)
+    model = cls()
+    sm, warned = _shard(model, 3)
+    assert warned == []
+    wheres = [sum(n.target is torch.ops.aten.where.self for n in sm.rank(r).graph.nodes) for r in range(3)]
+    assert wheres == ([0, 0, 1] if masked else [0, 0, 0]), wheres
+    assert tpcompile.check_gradients(model, sm, torch.randn(3, 7, 32)).ok

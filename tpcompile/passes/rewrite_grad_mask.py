@@ -17,15 +17,16 @@ from torch.fx import Node
 
 from tpcompile.layouts import dim_layout
 from tpcompile.placement import Shard
-from tpcompile.sharding_rules.padded import finite_padding
+from tpcompile.sharding_rules.padding_values import DIVISIONS, derivative_finite, finite_padding, is_padded
 from tpcompile.sharding_rules.rule_context import to_size
 
 aten = torch.ops.aten
 
-# Ops whose derivative is unbounded at a value padding may hold (0 for most; +-1 for the inverse trigonometric ones).
+# Ops whose derivative is unbounded at a value padding may hold (0 for most; +-1 for the inverse trigonometric ones);
+# and divisions (padding_values.DIVISIONS) by a padded divisor.
 UNBOUNDED_DERIVATIVE = frozenset((
     "aten.sqrt.default", "aten.rsqrt.default", "aten.log.default", "aten.log2.default", "aten.log10.default",
-    "aten.reciprocal.default", "aten.div.Tensor", "aten.div.Tensor_mode", "aten.pow.Tensor_Tensor",
+    "aten.reciprocal.default", "aten.pow.Tensor_Tensor",
     "aten.atan2.default", "aten.acos.default", "aten.asin.default", "aten.atanh.default", "aten.xlogy.Tensor",
     "aten.special_xlog1py.default", "aten.linalg_vector_norm.default", "aten.norm.ScalarOpt_dim",
 ))
@@ -35,19 +36,26 @@ _POW = "aten.pow.Tensor_Scalar"
 _ONE_INPUT = frozenset(("aten.linalg_vector_norm.default", "aten.norm.ScalarOpt_dim"))
 
 
-def unbounded_at_padding(node: Node) -> bool:
-    """True for an op of the table (a power by an exponent below one included)."""
+def unbounded_at_padding(node: Node, placement: Callable[[Node], Any]) -> bool:
+    """True for an op of the table (a power by an exponent below one included; a division only by a padded
+    divisor: over real values or a number its derivatives are bounded)."""
     name = str(node.target)
     if name == _POW:
         e = node.args[1]
         return isinstance(e, (int, float)) and e < 1 and e != 0
+    if name in DIVISIONS:
+        return len(node.args) > 1 and is_padded(placement, node.args[1])
     return name in UNBOUNDED_DERIVATIVE
 
 
 def grad_masked(em: Any, node: Node, lookup: Callable[[Node], Node]) -> Callable[[Node], Node]:
     """`lookup` with the tensor inputs of an op of the table, or of an op with an operand whose padding may hold an
     infinity (the gradient of x * (1 / s) for x is 1 / s), masked at this rank's padding (unchanged otherwise)."""
-    if node.op != "call_function" or not (unbounded_at_padding(node) or not finite_padding(node, em.plan.placement)):
+    if node.op != "call_function":
+        return lookup
+    at, rule = em.plan.placement, em.plan.rule
+    singular = unbounded_at_padding(node, at) and not derivative_finite(node, at, rule)
+    if not (singular or not finite_padding(node, at, rule)):
         return lookup
     masks = [m for m in (_mask(em, a, lookup(a)) for a in node.all_input_nodes) if m is not None]
     if not masks:

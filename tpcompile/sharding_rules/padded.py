@@ -17,8 +17,9 @@ import torch
 from torch.fx import Node
 
 from tpcompile.layouts import dim_layout
-from tpcompile.placement import PARTIAL, REPLICATE, Shard, cut_shard, pad_cuts, seg_cuts
+from tpcompile.placement import REPLICATE, Shard, cut_shard, pad_cuts, seg_cuts
 from tpcompile.sharding_rules.grouped import on_one
+from tpcompile.sharding_rules.padding_values import MULTILINEAR, NORMS, SPLITS, cut_whole, finite_padding
 from tpcompile.sharding_rules.rule_context import Result, Size, Want, exact_size, prod, sizes_equal
 
 
@@ -148,16 +149,7 @@ _KEEPS_ZERO = frozenset(
     "aten.sum.dim_IntList".split())  # a sum or mean kept padded reduced over other dims
 
 _ATTENTION = frozenset(("aten.scaled_dot_product_attention.default",))
-_NORMS = frozenset(("aten.layer_norm.default", "aten.rms_norm.default"))
-_SPLITS = frozenset(("aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default", "aten.unbind.int"))
 _PADS = frozenset(("aten.pad.default", "aten.constant_pad_nd.default"))
-_MULTILINEAR = frozenset(("aten.einsum.default", "aten.bmm.default", "aten.matmul.default", "aten.mm.default"))
-# ops that can make an infinity of the finite values padding holds (log(0), 1/0); a division and a power too when
-# their divisor is padded or their exponent is negative (finite_padding)
-_INFINITE_AT_ZERO = frozenset((
-    "aten.log.default", "aten.log2.default", "aten.log10.default", "aten.reciprocal.default", "aten.rsqrt.default",
-    "aten.atanh.default", "aten.pow.Tensor_Tensor", "aten.tan.default"))
-_DIVISIONS = frozenset(("aten.div.Tensor", "aten.div.Tensor_mode", "aten.floor_divide.default", "aten.remainder.Tensor"))
 
 
 def zero_padded(x: Node, placement, depth: int = 24, rule: Any = None) -> bool:
@@ -181,12 +173,12 @@ def zero_padded(x: Node, placement, depth: int = 24, rule: Any = None) -> bool:
         return True
     name = op_name(x.target).replace("_.", ".") if x.op == "call_function" else ""  # in place as out of place
     src = x.args[0] if x.target is operator.getitem and isinstance(x.args[0], Node) else None
-    if src is not None and op_name(src.target) in _SPLITS and isinstance(src.args[0], Node):  # a part of a split
+    if src is not None and op_name(src.target) in SPLITS and isinstance(src.args[0], Node):  # a part of a split
         return zero_padded(src.args[0], placement, depth - 1, rule)
     if name in _ATTENTION:  # each query's weights sum to one over the keys: zero where the values are zero
         return len(x.args) > 2 and isinstance(x.args[2], Node) and zero_padded(x.args[2], placement, depth - 1, rule) \
             and finite_padding(x, placement, rule)
-    if name in _NORMS:  # normalised, times the weight's zero padding
+    if name in NORMS:  # normalised, times the weight's zero padding
         return len(x.args) > 2 and isinstance(x.args[2], Node) and isinstance(placement(x.args[2]), Shard)
     if name in _PADS:  # new entries along other dims of zeros (the mode constant, the value 0)
         if name == "aten.constant_pad_nd.default":
@@ -196,7 +188,7 @@ def zero_padded(x: Node, placement, depth: int = 24, rule: Any = None) -> bool:
             fill = x.args[3] if len(x.args) > 3 else x.kwargs.get("value")
         return constant and not fill and isinstance(x.args[0], Node) \
             and zero_padded(x.args[0], placement, depth - 1, rule)
-    if name in _MULTILINEAR:  # split, not summed: the padded dim is one the product keeps, zero in one factor
+    if name in MULTILINEAR:  # split, not summed: the padded dim is one the product keeps, zero in one factor
         ins = [a for a in x.all_input_nodes if isinstance(placement(a), Shard) and placement(a).padding is not None]
         return any(zero_padded(a, placement, depth - 1, rule) for a in ins) and finite_padding(x, placement, rule)
     if name not in _KEEPS_ZERO:
@@ -209,52 +201,13 @@ def zero_padded(x: Node, placement, depth: int = 24, rule: Any = None) -> bool:
     padded = [a for a in tensors if isinstance(placement(a), Shard) and placement(a).padding is not None]
     if name in ("aten.mul.Tensor",):  # one zero factor makes the product zero (a whole one is cut with zeros), the
         # others finite there (0 x inf is nan)
-        return (any(_cut_whole(a, x, placement) for a in tensors if a not in padded)
-                or any(zero_padded(a, placement, depth - 1, rule) for a in padded)) and finite_padding(x, placement, rule)
+        return (any(cut_whole(a, x, placement) for a in tensors if a not in padded)
+                or any(zero_padded(a, placement, depth - 1, rule) for a in padded)) \
+            and finite_padding(x, placement, rule)
     if name == "aten.div.Tensor":  # zeros over a divisor that is not padded (not 0 / 0)
         num, den = x.args[0], x.args[1]
         return num in padded and den not in padded and zero_padded(num, placement, depth - 1, rule)
     # every tensor operand padded alike and zero there, or whole and cut to the split (rewrite_slices.local_slice
     # zero-pads it); a whole operand broadcast along the padded dim would fill the padding
-    return bool(padded) and all(_cut_whole(a, x, placement) for a in tensors if a not in padded) \
+    return bool(padded) and all(cut_whole(a, x, placement) for a in tensors if a not in padded) \
         and all(zero_padded(a, placement, depth - 1, rule) for a in padded)
-
-
-def _cut_whole(a: Node, x: Node, placement) -> bool:
-    """True when `a`, an operand of `x` held whole or a pending sum (reduced, then whole), has `x`'s padded dim at
-    its full size: it is cut to the split."""
-    dim = placement(x).dim - (x.meta["val"].dim() - a.meta["val"].dim())
-    if placement(a) not in (REPLICATE, PARTIAL) or dim < 0:
-        return False
-    size, full = a.meta["val"].shape[dim], x.meta["val"].shape[placement(x).dim]
-    return isinstance(size, int) and isinstance(full, int) and size == full  # not broadcast along it
-
-
-def finite_padding(x: Node, placement, rule: Any = None, limit: int = 400) -> bool:
-    """True when the padding of every padded operand of `x` (and of `x` itself) is known to hold finite values: no op
-    on the way from the zeros a padded split starts from can make an infinity of them (log(0), 1/0, 0^-1; the table
-    `_INFINITE_AT_ZERO`). A whole operand holds real values, finite where the original's are. The walk goes back over
-    padded values only; past `limit` of them it says False (not known)."""
-    from tpcompile.sharding_rules.table import op_name
-
-    def padded(n: Any) -> bool:
-        p = placement(n) if isinstance(n, Node) else None
-        return isinstance(p, Shard) and (p.padding is not None or p.rank_cuts)
-
-    seen, todo = set(), [a for a in x.all_input_nodes if padded(a)]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if len(seen) > limit:
-            return False
-        if n.op != "call_function":
-            continue  # a weight, zero-padded
-        name = op_name(n.target).replace("_.", ".")
-        if name in _INFINITE_AT_ZERO or name in _DIVISIONS and len(n.args) > 1 and padded(n.args[1]) \
-                or name == "aten.pow.Tensor_Scalar" and not (isinstance(n.args[1], (int, float)) and n.args[1] >= 0):
-            return False
-        todo += [a for a in n.all_input_nodes if padded(a)]
-    return True
-
