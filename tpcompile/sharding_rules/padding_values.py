@@ -50,12 +50,11 @@ _KEEPS = frozenset((
     "aten.amax.default aten.amin.default aten.cat.default aten.stack.default aten.split.Tensor "
     "aten.split_with_sizes.default aten.chunk.default aten.unbind.int aten.repeat_interleave.self_int "
     "aten.view_as_complex.default aten.view_as_real.default aten.reshape_as.default aten.view_as.default "
-    "aten.expand_as.default").split())
+    "aten.expand_as.default aten.concatenate.default").split())
 # reductions over other dims: of zeros zero (a sum, a norm); a spread of a constant zero whatever it is
-_REDUCES = frozenset(("aten.sum.dim_IntList", "aten.linalg_vector_norm.default", "aten.norm.ScalarOpt_dim",
-                      "aten.var.correction", "aten.std.correction"))
-_SPREADS = frozenset(("aten.var.correction", "aten.std.correction"))
-_JOINS = frozenset(("aten.cat.default", "aten.stack.default"))
+_SPREADS = frozenset(("aten.var.correction", "aten.std.correction", "aten.var.dim", "aten.std.dim"))
+_REDUCES = frozenset(("aten.sum.dim_IntList", "aten.linalg_vector_norm.default", "aten.norm.ScalarOpt_dim")) | _SPREADS
+_JOINS = frozenset(("aten.cat.default", "aten.concatenate.default", "aten.stack.default"))
 SPLITS = frozenset(("aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default", "aten.unbind.int"))
 _CONVS = frozenset(("aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default", "aten.convolution.default",
                     "aten._convolution.default"))
@@ -135,13 +134,18 @@ def _value(n: Node, placement: Placement, rule: Any, memo: dict) -> Value:
     if name == "aten.scaled_dot_product_attention.default":  # each query's weights sum to one: zero values, zero
         return 0.0 if memo.get(n.args[2]) == 0.0 and is_padded(placement, n.args[2]) else FINITE
     spec = (rule or (lambda m: m.meta.get("tp_rule")))(n)
-    if name in MULTILINEAR or spec is not None and spec.rule in ("weight_matmul", "weight_contract"):
-        # sums of products: zero where one factor's padding is zero (a weight's padded rows), the bias's zero too
-        bi = spec.get("bias") if spec is not None and spec.rule == "weight_matmul" else None
+    if spec is not None and spec.rule in ("weight_matmul", "weight_contract"):
+        # a whole input times the weight's zero padded rows (and bias), as the parameter cuts make them; a padded
+        # input whose padding is zero, without a bias
+        i = spec.get("input") if spec.rule == "weight_matmul" else 0
+        act = n.args[i] if i is not None and i < len(n.args) else None
+        bi = spec.get("bias") if spec.rule == "weight_matmul" else None
         bias = n.args[bi] if bi is not None and bi < len(n.args) else None
-        factors = {memo.get(a) for a in padded if a is not bias}
-        bias_zero = not isinstance(bias, Node) or is_padded(placement, bias) and memo.get(bias) == 0.0
-        return 0.0 if 0.0 in factors and bias_zero else FINITE
+        if not is_padded(placement, act):
+            return 0.0
+        return 0.0 if memo.get(act) == 0.0 and not isinstance(bias, Node) else FINITE
+    if name in MULTILINEAR:  # sums of products: zero where one factor's padding is zero, the others finite
+        return 0.0 if 0.0 in values else FINITE
     if isinstance(n.target, torch._ops.OpOverload) and torch.Tag.pointwise in n.target.tags and padded:
         return _pointwise(n, name, padded, placement, memo)
     return None
