@@ -50,7 +50,8 @@ _KEEPS = frozenset((
     "aten.amax.default aten.amin.default aten.cat.default aten.stack.default aten.split.Tensor "
     "aten.split_with_sizes.default aten.chunk.default aten.unbind.int aten.repeat_interleave.self_int "
     "aten.view_as_complex.default aten.view_as_real.default aten.reshape_as.default aten.view_as.default "
-    "aten.expand_as.default aten.concatenate.default").split())
+    "aten.expand_as.default aten.concatenate.default aten.flip.default aten.unfold.default aten.roll.default "
+    "aten.narrow.default aten.movedim.int aten.repeat.default").split())
 # reductions over other dims: of zeros zero (a sum, a norm); a spread of a constant zero whatever it is
 _SPREADS = frozenset(("aten.var.correction", "aten.std.correction", "aten.var.dim", "aten.std.dim"))
 _REDUCES = frozenset(("aten.sum.dim_IntList", "aten.linalg_vector_norm.default", "aten.norm.ScalarOpt_dim")) | _SPREADS
