@@ -53,9 +53,9 @@ def grad_masked(em: Any, node: Node, lookup: Callable[[Node], Node]) -> Callable
     infinity (the gradient of x * (1 / s) for x is 1 / s), masked at this rank's padding (unchanged otherwise)."""
     if node.op != "call_function":
         return lookup
-    at, rule = em.plan.placement, em.plan.rule
-    singular = unbounded_at_padding(node, at) and not derivative_finite(node, at, rule)
-    if not (singular or not finite_padding(node, at, rule)):
+    at, rule, memo = em.plan.placement, em.plan.rule, em.cache.setdefault(("padding_values",), {})
+    singular = unbounded_at_padding(node, at) and not derivative_finite(node, at, rule, memo)
+    if not (singular or not finite_padding(node, at, rule, memo)):
         return lookup
     masks = [m for m in (_mask(em, a, lookup(a)) for a in node.all_input_nodes) if m is not None]
     if not masks:

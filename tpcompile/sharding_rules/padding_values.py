@@ -55,6 +55,8 @@ _KEEPS = frozenset((
 # reductions over other dims: of zeros zero (a sum, a norm); a spread of a constant zero whatever it is
 _SPREADS = frozenset(("aten.var.correction", "aten.std.correction", "aten.var.dim", "aten.std.dim"))
 _REDUCES = frozenset(("aten.sum.dim_IntList", "aten.linalg_vector_norm.default", "aten.norm.ScalarOpt_dim")) | _SPREADS
+# elementwise ops that torch does not tag pointwise
+_POINTWISE_UNTAGGED = frozenset(("aten.log_sigmoid.default", "aten.hardswish.default", "aten.hardsigmoid.default"))
 _JOINS = frozenset(("aten.cat.default", "aten.concatenate.default", "aten.stack.default"))
 SPLITS = frozenset(("aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default", "aten.unbind.int"))
 _CONVS = frozenset(("aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default", "aten.convolution.default",
@@ -64,7 +66,7 @@ NORMS = frozenset(("aten.layer_norm.default", "aten.rms_norm.default"))
 _CONSTANTS = {"aten.zeros_like.default": 0.0, "aten.ones_like.default": 1.0, "aten.new_zeros.default": 0.0,
               "aten.new_ones.default": 1.0, "aten.full_like.default": None}
 _FILLS = frozenset(("aten.pad.default", "aten.constant_pad_nd.default", "aten.masked_fill.Scalar"))
-_LIMIT = 400  # padded values a question walks back over at most
+_LIMIT = 2000  # padded values a question walks back over at most
 
 
 def is_padded(placement: Placement, n: Any) -> bool:
@@ -77,12 +79,13 @@ def padding_value(x: Node, placement: Placement, rule: Any = None, memo: Optiona
     """The constant that the padding of `x` (a padded value) holds; FINITE when it is known finite only; None when
     it is not known."""
     memo = {} if memo is None else memo
-    stack = [(x, False)]
+    stack, steps = [(x, False)], 0
     while stack:  # the padded values behind x, each valued after its padded operands (no recursion: deep graphs)
         n, ready = stack.pop()
         if n in memo:
             continue
-        if ready or len(memo) > _LIMIT:
+        steps += 1
+        if ready or steps > _LIMIT:
             memo[n] = _value(n, placement, rule, memo) if ready else None
             continue
         stack.append((n, True))
@@ -147,7 +150,8 @@ def _value(n: Node, placement: Placement, rule: Any, memo: dict) -> Value:
         return 0.0 if memo.get(act) == 0.0 and not isinstance(bias, Node) else FINITE
     if name in MULTILINEAR:  # sums of products: zero where one factor's padding is zero, the others finite
         return 0.0 if 0.0 in values else FINITE
-    if isinstance(n.target, torch._ops.OpOverload) and torch.Tag.pointwise in n.target.tags and padded:
+    pointwise = isinstance(n.target, torch._ops.OpOverload) and torch.Tag.pointwise in n.target.tags
+    if (pointwise or name in _POINTWISE_UNTAGGED) and padded:
         return _pointwise(n, name, padded, placement, memo)
     return None
 
@@ -193,11 +197,11 @@ def _pad_fill(n: Node) -> Any:
     return (value or 0) if mode == "constant" else None
 
 
-def finite_padding(x: Node, placement: Placement, rule: Any = None) -> bool:
+def finite_padding(x: Node, placement: Placement, rule: Any = None, memo: Optional[dict] = None) -> bool:
     """True when the padding of every padded operand of `x` is known to hold finite values: a known finite constant,
     or no op on the way back from it (over padded values whose padding is not known) that can make an infinity of
     finite values (`INFINITE_AT`; a division only by a padded divisor). A whole operand holds real values."""
-    memo: dict = {}
+    memo = {} if memo is None else memo  # (a frozen plan's values can be kept across questions)
     seen, todo = set(), [a for a in _operands(x) if is_padded(placement, a)]
     while todo:
         n = todo.pop()
@@ -226,11 +230,11 @@ def _makes_infinite(n: Node, placement: Placement) -> bool:
     return name in INFINITE_AT or name in DIVISIONS and len(n.args) > 1 and is_padded(placement, n.args[1])
 
 
-def derivative_finite(x: Node, placement: Placement, rule: Any = None) -> bool:
+def derivative_finite(x: Node, placement: Placement, rule: Any = None, memo: Optional[dict] = None) -> bool:
     """True when the padding of each padded operand of `x` is a known constant at which x's op has a finite
     derivative for every operand (its whole operands standing in as ones where the op is a division by the padding);
     False when a padding is not known."""
-    memo: dict = {}
+    memo = {} if memo is None else memo  # (a frozen plan's values can be kept across questions)
     args, leaves = [], []
     for a in x.args:
         if isinstance(a, Node) and isinstance(a.meta.get("val"), torch.Tensor):
