@@ -23,31 +23,30 @@ from padded_checks import shard as _shard
 from sgd_steps import loss_gap, sgd_losses
 
 
-class DecayGate(torch.nn.Module):
-    """A gated linear recurrence's normaliser: sqrt(1 - a^2), a = exp(-sigmoid(gate) * softplus(rate)), the rate one
-    value a channel (the padding of the sliced rate, and so of a, makes 1 - a^2 zero)."""
-
-    def __init__(self, width: int = 38) -> None:
-        super().__init__()
-        self.norm = torch.nn.RMSNorm(32)
-        self.up, self.down = torch.nn.Linear(32, width), torch.nn.Linear(width, 32)
-        self.rate = torch.nn.Parameter(torch.rand(width) + 0.5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.norm(x)
-        a = torch.exp(-torch.sigmoid(self.up(x)) * F.softplus(self.rate))
-        return self.down(torch.sqrt(1 - a * a) * x.mean(-1, keepdim=True))
-
-
-class InverseScale(torch.nn.Module):
-    """A channel-wise scale divided by and logged: x / s and log(s), s = softplus(scale) * sigmoid(up(x)) (zero at
-    the padding), then a reciprocal square root and a power below one."""
+class _PaddedWidth(torch.nn.Module):
+    """norm -> up (column, 38 features: padded at 3 and 5 ranks) ... down (row), and one value a feature (`scale`),
+    which the padding of its slice makes zero there."""
 
     def __init__(self, width: int = 38) -> None:
         super().__init__()
         self.norm = torch.nn.RMSNorm(32)
         self.up, self.down = torch.nn.Linear(32, width), torch.nn.Linear(width, 32)
         self.scale = torch.nn.Parameter(torch.rand(width) + 0.5)
+
+
+class DecayGate(_PaddedWidth):
+    """A gated linear recurrence's normaliser: sqrt(1 - a^2), a = exp(-sigmoid(gate) * softplus(rate)), the rate one
+    value a channel (the padding of the sliced rate, and so of a, makes 1 - a^2 zero)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x)
+        a = torch.exp(-torch.sigmoid(self.up(x)) * F.softplus(self.scale))
+        return self.down(torch.sqrt(1 - a * a) * x.mean(-1, keepdim=True))
+
+
+class InverseScale(_PaddedWidth):
+    """A channel-wise scale divided by and logged: x / s and log(s), s = softplus(scale) * sigmoid(up(x)) (zero at
+    the padding), then a reciprocal square root and a power below one."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x)
@@ -97,17 +96,14 @@ def test_sgd_through_singular_ops_on_three_processes() -> None:
         assert len(diffs) == 3 and max(diffs.values()) < 1e-4, (rank, diffs)
 
 
-class InfiniteFactor(torch.nn.Module):
+class InfiniteFactor(_PaddedWidth):
     """A zero-padded projection times a factor whose padding is infinite (1 / s, log s; s zero at the padding): the
     product's padding is nan, not zero, so the row split after it must zero it, and the product's gradient for the
     projection (the factor) must not reach the padding."""
 
     def __init__(self, kind: str, width: int = 38) -> None:
-        super().__init__()
-        self.kind, self.norm = kind, torch.nn.RMSNorm(32)
-        self.up, self.gate, self.down = (torch.nn.Linear(32, width), torch.nn.Linear(32, width),
-                                         torch.nn.Linear(width, 32))
-        self.scale = torch.nn.Parameter(torch.rand(width) + 0.5)
+        super().__init__(width)
+        self.kind, self.gate = kind, torch.nn.Linear(32, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x)

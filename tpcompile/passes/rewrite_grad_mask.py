@@ -15,10 +15,8 @@ from typing import Any, Callable
 import torch
 from torch.fx import Node
 
-from tpcompile.layouts import dim_layout
-from tpcompile.placement import Shard
+from tpcompile.passes.rewrite_slices import padding_runs
 from tpcompile.sharding_rules.padding_values import DIVISIONS, derivative_finite, finite_padding, is_padded
-from tpcompile.sharding_rules.rule_context import to_size
 
 aten = torch.ops.aten
 
@@ -74,19 +72,16 @@ def grad_masked(em: Any, node: Node, lookup: Callable[[Node], Node]) -> Callable
 def _mask(em: Any, src: Node, x: Node) -> Node | None:
     """The boolean mask of this rank's real entries of `src` along its padded dim (shaped to broadcast), or None when
     its block holds no padding."""
-    p, val = em.plan.placement(src), src.meta.get("val")
-    if not isinstance(p, Shard) or p.padding is None and not p.rank_cuts or p.outer is not None \
-            or not isinstance(val, torch.Tensor):
+    runs = padding_runs(em, src)
+    if runs is None:
         return None
-    runs = [(n, block) for _, _, n, block in dim_layout(p, int(to_size(val.shape[p.dim])), em.ws).runs(em.rank)]
-    if all(n == block for n, block in runs):
-        return None
-    key = ("padding_mask", tuple(runs), val.dim() - p.dim)
+    after = src.meta["val"].dim() - em.plan.placement(src).dim  # the padded dim and those after it
+    key = ("padding_mask", tuple((n, block) for _, n, block in runs), after)
     if key not in em.cache:
         parts = []
-        for n, block in runs:
+        for _, n, block in runs:
             parts += [em.call(aten.new_ones.default, x, [n], dtype=torch.bool)] if n else []
             parts += [em.call(aten.new_zeros.default, x, [block - n], dtype=torch.bool)] if block > n else []
         mask = parts[0] if len(parts) == 1 else em.call(aten.cat.default, parts)
-        em.cache[key] = em.call(aten.view.default, mask, [-1] + [1] * (val.dim() - p.dim - 1))
+        em.cache[key] = em.call(aten.view.default, mask, [-1] + [1] * (after - 1))
     return em.cache[key]

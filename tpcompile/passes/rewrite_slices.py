@@ -67,14 +67,21 @@ def zero_padding(em: Any, src: Node, x: Node, *, proven: bool = True) -> Node:
     would be the padding's values (sigmoid(0) = 0.5 after a padded MLP width) and train them away from zero. A
     sum over the padded dim (`proven=False`): its gradient at the padding, 1, would train the padded rows of the
     weight that made it away from zero; the zeroed blocks pass none back."""
+    runs = padding_runs(em, src)
+    if runs is None or proven and zero_padded(src, em.plan.placement, rule=em.plan.rule):
+        return x
+    return _blocks(em, x, em.plan.placement(src).dim, src.meta["val"].dim(), runs)
+
+
+def padding_runs(em: Any, src: Node) -> Optional[list[tuple[int, int, int]]]:
+    """Per segment, (local start, real length, block) of this rank's value of `src` along its padded dim, when that
+    block holds padding; None when it holds none (or `src` is not padded, or padded as `outer` repetitions)."""
     p, val = em.plan.placement(src), src.meta.get("val")
     if not isinstance(p, Shard) or p.padding is None and not p.rank_cuts or p.outer is not None \
             or not isinstance(val, torch.Tensor):
-        return x
-    runs = dim_layout(p, int(to_size(val.shape[p.dim])), em.ws).runs(em.rank)
-    if all(n == block for _, _, n, block in runs) or proven and zero_padded(src, em.plan.placement, rule=em.plan.rule):
-        return x
-    return _blocks(em, x, p.dim, val.dim(), [(at, n, block) for _, at, n, block in runs])
+        return None
+    runs = [(at, n, block) for _, at, n, block in dim_layout(p, int(to_size(val.shape[p.dim])), em.ws).runs(em.rank)]
+    return None if all(n == block for _, n, block in runs) else runs
 
 
 def _blocks(em: Any, x: Node, dim: int, ndim: int, runs: list[tuple[int, int, int]]) -> Node:
