@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tpcompile.layouts import DimLayout, Segment, dim_layout
-from tpcompile.placement import (ParamSlice, Shard, local_shape, pad_cuts, piece_cut, rank_pieces, seg_cuts,
+from tpcompile.placement import (ParamSlice, local_shape, pad_cuts, piece_cut, piece_shard, rank_pieces, seg_cuts,
                                  slice_placement, slice_shape)
 
 CASES = {  # name -> (placement, dim size, world size, rank, expected runs, expected local size)
@@ -59,10 +59,58 @@ def test_pieces_the_ranks_do_not_divide_are_held_by_runs_of_ranks() -> None:
     layout = dim_layout(piece_cut(0, 8, 2), 8, 5)
     assert [layout.blocks(r) for r in range(5)] == [[(0, 4)]] * 3 + [[(4, 8)]] * 2
     assert [layout.owned(r) for r in range(5)] == [[(0, 0, 4)], [], [], [(4, 0, 4)], []]
-    assert local_shape((3, 8), Shard(1, pieces=2), 4, 5) == (3, 4)
+    assert local_shape((3, 8), piece_shard(1, 8, 2), 4, 5) == (3, 4)
 
 
 def test_a_piece_count_must_leave_no_piece_without_a_rank() -> None:
     """3 pieces at 4 ranks: 2 ranks a piece leave the third piece none."""
     with pytest.raises(AssertionError, match="leave a piece without a rank"):
         dim_layout(ParamSlice(0, (6, 3), cuts=seg_cuts((6, 3), 4, counts=(3, 3))), 9, 4)
+
+
+def test_a_value_in_pieces_is_a_cut_with_extents() -> None:
+    """A value in pieces is one segment cut into equal pieces (the cut a parameter in pieces has): its count is read
+    from the cuts, it prints as before, and the same pieces over a dim of another size are another value."""
+    from tpcompile.placement import Shard, param_cut
+    from tpcompile.sharding_rules.shared_pieces import piece_resized, same_pieces, whole_piece
+    p = piece_shard(1, 8, 2)
+    assert (p.segments, p.cuts, p.pieces, str(p)) == ((8,), ((0, 4, 8),), 2, "S(1/2)")
+    assert p.in_pieces and not p.plain and p.padded is None and not p.rank_cuts
+    assert param_cut(p, 8) == piece_cut(1, 8, 2) and slice_placement(piece_cut(1, 8, 2)) == p
+    assert [local_shape((3, 8), p, r, 4) for r in range(4)] == [(3, 4)] * 4
+    k = piece_resized(p, 2)  # k's 2 heads in the query's 2 pieces
+    assert k != p and same_pieces(k, p) and k.cuts == ((0, 1, 2),)
+    assert not same_pieces(piece_shard(1, 8, 4), p) and not same_pieces(Shard(1), p)
+    one = piece_shard(1, 1, 1)  # one kv head every rank holds whole
+    assert whole_piece(one, 1) and str(one) == "S(1/1)" and piece_resized(one, 4).cuts == ((0, 4),)
+    assert not whole_piece(piece_shard(1, 1, 1, seq=True), 1) and not whole_piece(p, 1)
+    assert str(piece_shard(0, 4, 2, outer=3, split_next=2)) == "S(0x3/2+2)"
+
+
+def test_a_rules_pieces_take_the_extents_of_the_tensor_they_are_for() -> None:
+    """`conformed`: pieces a rule carries to a tensor whose dim is another size (attention asking k, 2 heads, for the
+    query's pieces of 8) take that tensor's size; other placements are kept as they are."""
+    import torch
+    from torch.fx import Graph
+
+    from tpcompile.placement import REPLICATE, Shard
+    from tpcompile.sharding_rules.conform import conformed
+    from tpcompile.sharding_rules.shared_pieces import piece_resized
+    from tpcompile.sharding_rules.rule_context import Result, Want
+    g = Graph()
+    q, k = g.placeholder("q"), g.placeholder("k")
+    out = g.call_function(torch.add, (q, k))
+    for n, shape in ((q, (2, 8, 5)), (k, (2, 2, 5)), (out, (2, 8, 5))):
+        n.meta["val"] = torch.empty(shape)
+    p = piece_shard(1, 8, 2)
+    res = conformed(out, Result(p, [Want(q, p), Want(k, p, grad_sync=True)]))
+    assert res.out is p and res.wants[0].placement is p
+    assert res.wants[1] == Want(k, piece_resized(p, 2), grad_sync=True)
+    kept = Result(Shard(1), [Want(k, REPLICATE)])
+    assert conformed(out, kept) is kept
+    folded = piece_shard(0, 2, 2, outer=4)  # (B*kv, ...) of a batch of 4: the extents are a repetition's
+    rows = g.call_function(torch.neg, (q,))
+    rows.meta["val"] = torch.empty(16, 5)
+    assert conformed(rows, Result(folded, [])).out == piece_shard(0, 4, 2, outer=4)
+    rows.meta["val"] = torch.empty(12, 5)  # 3 a repetition: not 2 equal pieces, left as the rule gave it
+    assert conformed(rows, Result(folded, [])).out is folded

@@ -19,8 +19,8 @@ from tpcompile.capture import Captured, capture
 from tpcompile.models import GPT, GPTConfig
 from tpcompile.passes.recompute import checkpoint_selective
 from tpcompile.passes.rewrite_dropout import split_spec
-from tpcompile.placement import (ParamSlice, Shard, local_shape, pad_cuts, piece_cut, rank_pieces, seg_cuts,
-                                 slice_placement)
+from tpcompile.placement import (ParamSlice, Shard, local_shape, pad_cuts, piece_cut, piece_shard, rank_pieces,
+                                 seg_cuts, slice_placement)
 
 IDS = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(2))
 HF = {"phi3": dict(attention_dropout=0.2, resid_pdrop=0.2, num_hidden_layers=1),  # fused q|k|v, 2 kv heads
@@ -193,7 +193,7 @@ def test_tokens_heads_kv_pieces_and_rows_tile_the_whole_mask() -> None:
         assert torch.equal(padded[:, :real], whole[:, 2 * r:2 * r + real])
     kv = _mask([4, 2, 6, 5], None, 0, 1, [1, 0, 0, 0], 4)  # (batch, 2 kv heads, 6 repeats, head dim)
     for r in range(4):  # 2 pieces of one kv head, each shared by 2 ranks that split its repeats
-        local = _mask([2, 2, 6, 5], Shard(1, pieces=2, split_next=2), r, 4, [1, 0, 0, 0], 2, rows=2)
+        local = _mask([2, 2, 6, 5], piece_shard(1, 2, 2, split_next=2), r, 4, [1, 0, 0, 0], 2, rows=2)
         assert torch.equal(local, kv[2:, r // 2:r // 2 + 1, 3 * (r % 2):3 * (r % 2) + 3])
 
 

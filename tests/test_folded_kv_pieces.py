@@ -1,5 +1,5 @@
 """kv heads in pieces (fewer kv heads than ranks) folded with the batch into one dim, `(B * kv, T, d)`: the placement
-is the pieces repeated per sequence (`Shard(0, outer=B, pieces=2)`), and a whole value meeting it is cut per
+is the pieces repeated per sequence (`piece_shard(0, kv, 2, outer=B)`), and a whole value meeting it is cut per
 repetition, at run-time sizes."""
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ def test_a_whole_value_meets_kv_pieces_folded_with_the_batch() -> None:
 def test_the_fallback_check_takes_each_repetitions_piece() -> None:
     """The positions a rank holds of kv pieces repeated per sequence (what a DTensor fallback's answer is checked
     on): its piece in every repetition, not one run of the whole dim."""
-    from tpcompile.placement import Shard
+    from tpcompile.placement import piece_shard
     from tpcompile.sharding_rules.fallback_check import positions
-    assert positions(Shard(0, pieces=2), 8, 3, 4) == [4, 5, 6, 7]
-    assert positions(Shard(0, pieces=2, outer=3), 12, 2, 4, outer=3) == [2, 3, 6, 7, 10, 11]
-    assert positions(Shard(0, pieces=1, outer=2), 8, 3, 4, outer=2) == list(range(8))
+    assert positions(piece_shard(0, 8, 2), 8, 3, 4) == [4, 5, 6, 7]
+    assert positions(piece_shard(0, 4, 2, outer=3), 12, 2, 4, outer=3) == [2, 3, 6, 7, 10, 11]
+    assert positions(piece_shard(0, 4, 1, outer=2), 8, 3, 4, outer=2) == list(range(8))

@@ -61,6 +61,14 @@ class Cut:
         """True when evenly cut segments are zero-padded each (a fused q|k|v padded by whole heads)."""
         return self.even_segments and any(c[-1] != s for s, c in zip(self.segments, self.cuts))
 
+    @property
+    def pieces(self) -> Optional[int]:
+        """The count of a cut of the whole dim, one segment, into equal pieces each shared by several ranks
+        (`piece_cut`, `piece_shard`: kv heads fewer than the ranks), else None."""
+        if self.even_segments and len(self.cuts) == 1 and self.cuts[0][-1] == self.segments[0]:
+            return len(self.cuts[0]) - 1
+        return None
+
     def counts(self, world_size: int) -> list[int]:
         """Each segment's number of pieces (the world size when split evenly)."""
         segs = self.segments or (None,)
@@ -92,14 +100,6 @@ class ParamSlice(Cut):
     segments: Optional[tuple[int, ...]] = None
     cuts: Optional[Cuts] = None  # per segment, the bounds of its pieces (Shard.cuts); in pieces: `piece_cut`
 
-    @property
-    def pieces(self) -> Optional[int]:
-        """The count of a cut of the whole dim, one segment, into equal pieces each shared by several ranks
-        (`piece_cut`: kv heads fewer than the ranks), else None."""
-        if self.even_segments and len(self.cuts) == 1 and self.cuts[0][-1] == self.segments[0]:
-            return len(self.cuts[0]) - 1
-        return None
-
 
 @dataclass(frozen=True)
 class Shard(Cut):
@@ -109,14 +109,16 @@ class Shard(Cut):
     segments: Optional[tuple[int, ...]] = None
     seq: bool = False  # sequence parallel: tokens split outside the tensor-parallel regions
     outer: Optional[object] = None  # the dim is `outer` repetitions of the split blocks (batch x heads)
-    pieces: Optional[int] = None  # one segment of only this many distinct pieces; ranks r*pieces//ws share a piece
-    split_next: Optional[int] = None  # with pieces: dim+1 is split this many ways within a piece
+    split_next: Optional[int] = None  # with `pieces` (piece_shard): dim+1 is split this many ways within a piece
     # per segment, the bounds of its pieces in the segment zero-padded to cuts[-1], a segment of g pieces held by
     # the ranks k * ws / g ... (k + 1) * ws / g - 1 (layouts.DimLayout); without segments, a zero-padded split
     # (`padded`); None: every segment split evenly, unpadded (`Cut` reads the kinds)
     cuts: Optional[Cuts] = None
 
     def __str__(self) -> str:
+        if self.pieces is not None:  # 'S(2/2)': one segment in pieces shared by ranks
+            grp = f"/{self.pieces}" + ("" if self.split_next is None else f"+{self.split_next}")
+            return f"S({self.dim}{'' if self.outer is None else f'x{self.outer}'}{grp}){'seq' if self.seq else ''}"
         if self.rank_cuts:  # 'S(1|3:2.1~4+...)': a segment's size, the real part of each non-empty piece
             segs = "+".join(f"{s}:" + ".".join(str(min(b, s) - min(a, s)) for a, b in zip(c, c[1:]) if b > a)
                             + f"~{c[-1]}" for s, c in zip(self.segments, self.cuts))
@@ -131,8 +133,7 @@ class Shard(Cut):
                 seg = "|" + "+".join(f"{s}/{g}" for s, g in zip(self.segments, counts))
         pad = "" if pads is None else f"~{'+'.join(map(str, pads))}"
         out = "" if self.outer is None else f"x{self.outer}"
-        grp = "" if self.pieces is None else f"/{self.pieces}" + ("" if self.split_next is None else f"+{self.split_next}")
-        return f"S({self.dim}{seg}{pad}{out}{grp}){'seq' if self.seq else ''}"
+        return f"S({self.dim}{seg}{pad}{out}){'seq' if self.seq else ''}"
 
     @property
     def plain(self) -> bool:
@@ -143,8 +144,7 @@ class Shard(Cut):
     @property
     def in_pieces(self) -> bool:
         """True for one segment in equal pieces, each shared by several ranks, nothing else (heads fewer than ranks)."""
-        return self.pieces is not None and self.segments is None and self.cuts is None and self.split_next is None \
-            and self.outer is None and not self.seq
+        return self.pieces is not None and self.split_next is None and self.outer is None and not self.seq
 
     @property
     def plain_padded(self) -> bool:
@@ -187,8 +187,16 @@ def piece_cut(dim: int, size: int, pieces: int) -> ParamSlice:
     return ParamSlice(dim, (int(size),), cuts=(even_cuts(int(size), int(pieces)),))
 
 
+def piece_shard(dim: int, size: Any, pieces: int, **kw: Any) -> Shard:
+    """A Shard of dim `dim` (of `size` elements, or of `outer` repetitions of them) cut into `pieces` equal pieces,
+    each held by `holders` ranks (kv heads fewer than the ranks; one piece: whole on every rank, `size` possibly a
+    run-time size)."""
+    cut = (0, size) if pieces == 1 else even_cuts(int(size), int(pieces))
+    return Shard(dim, (size if pieces == 1 else int(size),), cuts=(cut,), **kw)
+
+
 def param_cut(p: Shard, size: int) -> ParamSlice:
-    """The cut of a parameter's dim of `size` laid out as `p` (its dim, segments and cuts; `pieces` as a cut)."""
+    """The cut of a parameter's dim of `size` laid out as `p` (its dim, segments and cuts; pieces of that size)."""
     if p.pieces:
         return piece_cut(p.dim, size, p.pieces)
     return ParamSlice(p.dim, p.segments, cuts=p.cuts)
@@ -215,7 +223,7 @@ def segmented(dim: int, segments: Sequence[int], world_size: int, pads: Optional
     if len(segs) == 1 and pads[0] != segs[0]:
         return Shard(dim, cuts=pad_cuts(pads[0], world_size))
     if len(segs) == 1 and counts[0] < world_size:
-        return Shard(dim, pieces=int(counts[0]))
+        return piece_shard(dim, segs[0], int(counts[0]))
     if len(segs) == 1:
         return Shard(dim)
     return Shard(dim, tuple(segs), cuts=seg_cuts(segs, world_size, pads, counts))
@@ -226,18 +234,6 @@ def cut_shard(dim: int, segments: Sequence[int], cuts: Cuts, world_size: int) ->
     if all(is_even(c) for c in cuts):
         return segmented(dim, segments, world_size, [c[-1] for c in cuts], [len(c) - 1 for c in cuts])
     return Shard(dim, tuple(segments), cuts=tuple(cuts))
-
-
-def cut_from_shared(have: object, want: object, world_size: int) -> bool:
-    """True when `want` is cut locally from `have`, a value in pieces each shared by several ranks: from one piece
-    every rank holds whole (`Shard(d, pieces=1)`: multi-query's kv head repeated over the query heads), a zero-padded
-    split or g pieces of its own; from g pieces the ranks divide (k heads repeated over 4 v heads at 4 ranks), even."""
-    if not isinstance(have, Shard) or not isinstance(want, Shard) or want.dim != have.dim or not have.pieces:
-        return False
-    if have.pieces == 1:  # (pieces of its own: Mamba-2's one group of B repeated for heads fewer than the ranks)
-        return want.plain_padded or want.in_pieces and want.pieces > 1
-    return want.plain and world_size % have.pieces == 0 and have.segments is None and have.split_next is None \
-        and have.outer is None and have.padded is None and not have.seq
 
 
 def is_seq(p: object) -> bool:
@@ -285,8 +281,6 @@ def segment_ranges(size: int, segments: Optional[Sequence[int]], rank: int, worl
 
 def slice_placement(sl: ParamSlice) -> Shard:
     """The placement of a parameter cut by `sl`, as its readers see it."""
-    if sl.pieces:
-        return Shard(sl.dim, pieces=sl.pieces)
     if sl.cuts is not None:
         return Shard(sl.dim, sl.segments, cuts=sl.cuts)
     return Shard(sl.dim, sl.segments if sl.segments and len(sl.segments) > 1 else None)
@@ -298,13 +292,13 @@ def local_shape(shape: Sequence[Any], p: Any, rank: int, world_size: int) -> tup
     if not isinstance(p, Shard) or p.dim >= len(out):
         return tuple(out)
     size = out[p.dim]
-    if p.cuts is not None:  # `outer` repetitions of padded heads (batch x heads), or the cut dim once
-        out[p.dim] = (1 if p.outer is None else p.outer) * dim_layout(p, None, world_size).local_size(rank)
-    elif p.pieces:
+    if p.pieces:
         out[p.dim] = size // p.pieces
         if p.split_next and p.dim + 1 < len(out):  # a group the sharing ranks do not divide: padded, its ceil
             nxt = out[p.dim + 1]
             out[p.dim + 1] = -(-nxt // p.split_next) if isinstance(nxt, int) else nxt // p.split_next
+    elif p.cuts is not None:  # `outer` repetitions of padded heads (batch x heads), or the cut dim once
+        out[p.dim] = (1 if p.outer is None else p.outer) * dim_layout(p, None, world_size).local_size(rank)
     elif p.segments and isinstance(size, int):
         out[p.dim] = dim_layout(p, size, world_size).local_size(rank)
     elif p.seq:  # this rank's share of every sequence's tokens (`outer` sequences flattened with them), k entries each

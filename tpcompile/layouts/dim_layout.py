@@ -110,19 +110,26 @@ def dim_layout(p: Any, full: Optional[int], world_size: int) -> DimLayout:
     """The layout of a split dim of size `full` (None: not known, a padded split's padding gives the sizes) that a
     ParamSlice or Shard `p` describes (its `segments` and their `cuts`, the cuts of a padded dim, `pieces`, or a
     token split's shares)."""
+    if p.pieces and full is not None:  # one segment of `pieces` pieces, each shared by `holders` ranks
+        if getattr(p, "seq", False):
+            return _tokens(full, world_size)
+        return DimLayout(world_size, (Segment(full, even_cuts(full, p.pieces)),))
     if p.cuts is not None:  # explicit: segment k cut at p.cuts[k]; without segments, the dim cut past its size
         assert all(binds(world_size, len(c) - 1) for c in p.cuts), \
             f"pieces {[len(c) - 1 for c in p.cuts]} leave a piece without a rank at world size {world_size}"
         segs = p.segments or (p.cuts[0][-1] if full is None else full,)
         return DimLayout(world_size, tuple(Segment(s, tuple(c)) for s, c in zip(segs, p.cuts)))
-    if getattr(p, "seq", False) and full is not None:  # tokens: one run a rank, the first full % ws one longer
-        bounds = tuple(token_shares.start(full, r, world_size) for r in range(world_size)) + (full,)
-        return DimLayout(world_size, (Segment(full, bounds),))
-    if p.pieces:  # one segment of `pieces` pieces, each shared by `holders` ranks
-        return DimLayout(world_size, (Segment(full, even_cuts(full, p.pieces)),))
+    if getattr(p, "seq", False) and full is not None:
+        return _tokens(full, world_size)
     segs = list(p.segments) if p.segments else [full]
     assert full is None or sum(segs) == full, f"segments {segs} do not add up to {full}"
     return DimLayout(world_size, tuple(Segment(s, even_cuts(s, world_size)) for s in segs))
+
+
+def _tokens(full: int, world_size: int) -> DimLayout:
+    """A token split: one run a rank, the first full % ws one longer."""
+    bounds = tuple(token_shares.start(full, r, world_size) for r in range(world_size)) + (full,)
+    return DimLayout(world_size, (Segment(full, bounds),))
 
 
 def same_holdings(p: Any, q: Any, full: Any, world_size: int) -> bool:

@@ -15,10 +15,11 @@ from typing import Any, Collection, Optional
 import torch
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Partial, Replicate, Shard, cut_from_shared, is_seq
+from tpcompile.placement import REPLICATE, Partial, Replicate, Shard, is_seq
 from tpcompile.sharding_rules.dtensor_fallback import dtensor_result
 from tpcompile.sharding_rules.registry import apply_rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want
+from tpcompile.sharding_rules.shared_pieces import cut_from_shared
 from tpcompile.sharding_rules.table import RuleSpec, load_table, op_name
 
 _OWN_ONLY = ("weight_matmul", "embedding", "write_into", "no_output")  # rules that cut weights or state

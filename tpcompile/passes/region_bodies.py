@@ -18,6 +18,7 @@ from torch.fx import GraphModule, Node
 from tpcompile.passes.layout import Layout
 from tpcompile.passes.op_result import check_wants, op_result
 from tpcompile.placement import REPLICATE, Replicate, Shard
+from tpcompile.sharding_rules.conform import conformed
 from tpcompile.sharding_rules.partial import partial_result
 from tpcompile.sharding_rules.rule_context import Result, RuleContext
 from tpcompile.sharding_rules.table import lookup, op_name
@@ -55,7 +56,7 @@ def place_body(body: GraphModule, inputs: list, grads: list[bool], ctx: RuleCont
             continue
         bn.meta["tp_rule"] = lookup(bn.target)
         grad[bn] = _float(bn) and any(grad.get(i, False) for i in bn.all_input_nodes)
-        res = partial_result(bn, inner, placement, op_result)
+        res = conformed(bn, partial_result(bn, inner, placement, op_result))
         why = res.conflict or check_wants(res, placement, ctx.world_size)[0]
         lift = None if why else _lift(res, places, placement)
         if lift is not None:

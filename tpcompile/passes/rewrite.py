@@ -22,12 +22,12 @@ from tpcompile.passes.rewrite_grad_mask import grad_masked
 from tpcompile.passes.rewrite_regions import emit_region, is_region
 from tpcompile.passes.rewrite_shapes import localize
 from tpcompile.passes.rewrite_slices import local_slice, zero_padding
-from tpcompile.passes.rewrite_tokens import gather_tokens, reduce_partial, scatter_tokens
 from tpcompile.passes.rewrite_stats import emit_stats, is_stats
 from tpcompile.passes.rewrite_tables import emit_owned, emit_vocab
-from tpcompile.placement import (REPLICATE, Partial, Replicate, Shard, cut_from_shared, is_seq, local_shape,
-                                 shape_key, slice_shape)
+from tpcompile.passes.rewrite_tokens import gather_tokens, reduce_partial, scatter_tokens
+from tpcompile.placement import REPLICATE, Partial, Replicate, Shard, is_seq, local_shape, shape_key, slice_shape
 from tpcompile.sharding_rules.rule_context import Want, param_behind, weight_view
+from tpcompile.sharding_rules.shared_pieces import cut_from_shared
 
 aten = torch.ops.aten
 tp = torch.ops.tpcompile

@@ -32,7 +32,7 @@ def local_slice(em: Any, src: Node, node: Node, p: Shard, sync: bool = True, pie
     `piece` (the value in fewer pieces than ranks), of the rank's piece `src`.
 
     sync=False for a value held in shared pieces whose gradient is summed over the ranks where it is made
-    (one piece shared by every rank: multi-query's kv heads, `Shard(pieces=1)`): no grad_all_reduce here."""
+    (one piece shared by every rank: multi-query's kv heads, `whole_piece`): no grad_all_reduce here."""
     val = node.meta["val"]
     if piece is not None:  # rank r's even block lies in its piece, at its place among the ranks sharing it
         n = int(to_size(val.shape[p.dim])) // em.ws

@@ -19,6 +19,7 @@ from tpcompile.passes.pass_context import PassContext, describe, internal_error
 from tpcompile.passes.pending_sums import lonely_lookups
 from tpcompile.passes.region_bodies import place_body
 from tpcompile.placement import REPLICATE, ParamSlice, Shard, is_seq, slice_placement
+from tpcompile.sharding_rules.conform import conformed
 from tpcompile.sharding_rules.partial import partial_result
 from tpcompile.sharding_rules.rule_context import Choice, Result, RuleContext, Want, keeps_entries, param_view_chain, weight_view
 
@@ -137,7 +138,7 @@ class Sweep:
         """Ask the op's rule, judge any conflict, record the result."""
         src = self.sources(node)  # before judging: blaming dooms seeds, which changes what inputs read as
         try:
-            res = partial_result(node, self.rules, self.placement, op_result)
+            res = conformed(node, partial_result(node, self.rules, self.placement, op_result))
         except Exception as e:  # a rule bug: name the node and pass, keep the cause
             raise internal_error("propagate", node, e) from e
         # the splits lost on the way here (blamed at a conflict, or doomed): a seed fed by them is whole-input

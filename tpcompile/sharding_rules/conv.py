@@ -170,8 +170,8 @@ def _segmented_channels(p: Any) -> bool:
 
 def _pieced_channels(p: Any) -> bool:
     """Channels (dim 1) in fewer pieces than ranks, each held whole by the ranks sharing it: k of kv heads at 4 ranks."""
-    return isinstance(p, Shard) and p.dim == 1 and p.pieces is not None and p.segments is None and not p.seq \
-        and p.outer is None and p.split_next is None and p.padded is None
+    return isinstance(p, Shard) and p.dim == 1 and p.pieces is not None and not p.seq and p.outer is None \
+        and p.split_next is None
 
 
 def _whole_groups(ctx: RuleContext, node: Node, spec: RuleSpec, px: Shard, channels: Any, groups: int) -> bool:

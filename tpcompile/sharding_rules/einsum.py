@@ -4,10 +4,10 @@ Attention written with einsum keeps whole heads: `bthd,bshd->bhts` on q and k sp
 scores split by heads. Grouped-query attention written over grouped heads views q as
 (B, T, kv heads, group, head_dim) and k as (B, S, kv heads, head_dim): `btkgd,bskd->bkgts`. When the
 world size divides the kv heads both are split on the kv-head index k and the group index g stays
-whole. With fewer kv heads than ranks, k and v are in pieces (`Shard(pieces=n)`: each kv head held by
+whole. With fewer kv heads than ranks, k and v are in pieces (`piece_shard`, n pieces: each kv head held by
 the ranks that share it) and q is split along k in the same pieces and along g within each piece
 (`split_next`), so every rank keeps its own query heads; the output carries both. One kv head for all
-(multi-query, `pieces=1`) is whole on every rank, and the split is q's (its group index).
+(multi-query, one piece) is whole on every rank, and the split is q's (its group index).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def einsum(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return Result(REPLICATE, whole, conflict="einsum with ellipsis or implicit output")
     terms, out = parsed
     split = [(t, ctx.placement(n)) for n, t in zip(operands, terms) if isinstance(ctx.placement(n), Shard)]
-    # a value whole on every rank (one kv head for all, `pieces=1`) is read as it is, on whatever index
+    # a value whole on every rank (one kv head for all, one piece) is read as it is, on whatever index
     split = [(t, p) for t, p in split if p.pieces != 1] or split
     letters = {t[p.dim] for t, p in split}
     if len(letters) != 1 or len({(p.segments, p.padding, p.pieces, p.outer) for _, p in split}) != 1:

@@ -5,10 +5,11 @@ from typing import Any
 
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Replicate, Shard, cut_from_shared, moved, split_dims
+from tpcompile.placement import REPLICATE, Replicate, Shard, moved, split_dims
 from tpcompile.sharding_rules.group_cuts import cuts_local
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim, sizes_equal
+from tpcompile.sharding_rules.shared_pieces import cut_from_shared
 from tpcompile.sharding_rules.table import RuleSpec
 
 

@@ -10,13 +10,13 @@ last dim, is never the one split within a piece; a view whose group dim a later 
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Callable, Optional, Sequence
 
 from torch.fx import Node
 
-from tpcompile.placement import Shard, moved
+from tpcompile.placement import Shard, moved, piece_shard
 from tpcompile.sharding_rules.rule_context import RuleContext, Size, norm_dim, readers, sizes_equal
+from tpcompile.sharding_rules.shared_pieces import piece_resized
 from tpcompile.sharding_rules.table import lookup
 
 
@@ -31,7 +31,7 @@ def grouped(p: Shard, one: list, m: Size, pre: Size, count: Size, outs_g: list, 
     nxt = outs_g[u + 1]
     if not isinstance(size, int) or not isinstance(nxt, int) or not 1 < size < ws or ws % size or nxt % (ws // size):
         return None
-    return Shard(0, pieces=size, split_next=ws // size)
+    return piece_shard(0, size, size, split_next=ws // size)
 
 
 def regroup(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: int, reshape_placement: Callable) -> Optional[int]:
@@ -39,10 +39,11 @@ def regroup(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: int, reshap
     ranks)."""
     if not p.plain:
         return None
+    size = ins[p.dim]
     for g in range(ws // 2, 1, -1):
-        if ws % g:
+        if ws % g or not isinstance(size, int) or size % g:
             continue
-        out, _ = reshape_placement(replace(p, pieces=g), ins, outs, ws)
+        out, _ = reshape_placement(piece_shard(p.dim, size, g, seq=p.seq), ins, outs, ws)
         if out is not None and isinstance(outs[out.dim], int) and outs[out.dim] < ws:
             return g
     return None
@@ -87,4 +88,4 @@ def on_one(p: Shard, shape: Sequence) -> Shard:
     if p.pieces != 1:
         return p
     ones = [d for d in range(p.dim) if isinstance(shape[d], int) and shape[d] == 1]  # not a count of routed tokens
-    return moved(p, ones[-1]) if ones else p
+    return piece_resized(moved(p, ones[-1]), 1) if ones else p

@@ -48,8 +48,7 @@ def _segments_of(tensors: list, dim: int, ctx: RuleContext) -> Optional[Shard]:
     for t in tensors:
         p, size = ctx.placement(t), ctx.shape(t)[dim]
         if not isinstance(p, Shard) or p.dim != dim or p.seq or not isinstance(size, int) or \
-                p.shared(ctx.world_size) or p.outer is not None or p.split_next is not None or \
-                (p.pieces is not None and (p.segments is not None or p.padded is not None)):
+                p.shared(ctx.world_size) and p.pieces is None or p.outer is not None or p.split_next is not None:
             return None
         if p.rank_cuts:
             cut.update({len(segs) + i: c for i, c in enumerate(p.cuts)})

@@ -20,6 +20,7 @@ from tpcompile.sharding_rules.dtensor_fallback import dtensor_result
 from tpcompile.sharding_rules.group_cuts import even_within, group_cuts, per_rank
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim
+from tpcompile.sharding_rules.shared_pieces import piece_resized
 from tpcompile.sharding_rules.table import RuleSpec
 
 
@@ -55,7 +56,8 @@ def repeat_interleave(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     share = holders(ctx.world_size, p.pieces)  # ranks holding each piece
     size = ctx.shape(x)[dim]
     if p.pieces == 1 and p.split_next is None and repeats % share:  # whole on every rank: repeated whole, each
-        return Result(p, [Want(x, p)])  # rank later reading its part (its padded heads, sharding_rules/matmul.py)
+        # rank later reading its part (its padded heads, sharding_rules/matmul.py)
+        return Result(piece_resized(p, ctx.shape(node)[dim]), [Want(x, p)])
     even = even_within(repeats, share, p.pieces, ctx.world_size)
     if spec.get("pad_within") and p.split_next is None and size == p.pieces and not even:
         # one head a piece, its repeats cut among the ranks sharing it, zero-padded (passes/head_repeats.py marks

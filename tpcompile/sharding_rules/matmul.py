@@ -7,12 +7,13 @@ from typing import Any, Optional
 from torch.fx import Node
 
 from tpcompile.layouts import even_cuts, holders, same_holdings
-from tpcompile.placement import (PARTIAL, REPLICATE, Replicate, Shard, cut_from_shared, moved, pad_cuts, padded_size,
-                                 param_cut, segmented)
+from tpcompile.placement import (PARTIAL, REPLICATE, Replicate, Shard, moved, pad_cuts, padded_size, param_cut,
+                                 piece_shard, segmented)
 from tpcompile.sharding_rules.group_cuts import group_cuts
 from tpcompile.sharding_rules.pieces import piece_matmul
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Choice, ParamSlice, Result, RuleContext, Want, undetached, weight_view
+from tpcompile.sharding_rules.shared_pieces import cut_from_shared, same_pieces, whole_piece
 from tpcompile.sharding_rules.table import RuleSpec
 
 
@@ -68,9 +69,9 @@ def weight_matmul(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
             pads = [padded_size(s, ctx.world_size * u) if g == ctx.world_size else s
                     for s, u, g in zip(segments, units, counts)]
         pieces = ctx.pieces_of(node) or (counts[0] if len(segments) == 1 and counts[0] < ctx.world_size else None)
-        if pieces:  # fewer pieces than ranks: each held by several ranks (MQA's one kv head: by all)
-            segments, pads, counts = (wshape[out_dim],), None, [ctx.world_size]
-        out = replace(segmented(len(ctx.shape(node)) - 1, segments, ctx.world_size, pads, counts), pieces=pieces)
+        out = piece_shard(len(ctx.shape(node)) - 1, wshape[out_dim], pieces) if pieces else \
+            segmented(len(ctx.shape(node)) - 1, segments, ctx.world_size, pads, counts)  # (pieces: fewer than
+        # the ranks, each held by several ranks; MQA's one kv head: by all)
         params[w] = param_cut(moved(out, out_dim), wshape[out_dim])
         if isinstance(b, Node):
             params[b] = param_cut(moved(out, 0), wshape[out_dim])
@@ -243,15 +244,16 @@ def sdpa(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     tensors = [q, k, v] + ([mask] if isinstance(mask, Node) else [])
     if ctx.all_replicated(tensors):
         return Result(REPLICATE, [Want(n, REPLICATE) for n in tensors])
-    one = [n for n in (k, v) if ctx.shape(n)[1] == 1 and ctx.placement(n) in (REPLICATE, Shard(1, pieces=1))]
+    one = [n for n in (k, v) if ctx.shape(n)[1] == 1 and (ctx.placement(n) == REPLICATE
+                                                            or whole_piece(ctx.placement(n), 1))]
     # whole heads per rank; heads zero-padded to a multiple of the ranks when their count does not divide
     # (the query's layout leads: keys and values laid out otherwise are blamed, so they are the ones kept whole)
     target = next((p for n in (q, k, v) if n not in one and isinstance(p := ctx.placement(n), Shard)
                    and p.dim == 1 and (p.plain or p.plain_padded or p.rank_cuts or _runs_of_heads(p, ctx))), None)
-    whole_piece = Shard(1, pieces=1)  # whole on every rank (one kv head repeated): cut locally to any pieces
+    # whole on every rank (one kv head repeated, `whole_piece`): cut locally to any pieces
     if target is None:  # heads fewer than the ranks, q, k and v alike in pieces: each piece's ranks compute it
-        held = {ctx.placement(n) for n in (q, k, v) if n not in one and ctx.placement(n) != whole_piece}
-        one_way = next(iter(held)) if len(held) == 1 else None
+        held = [ctx.placement(n) for n in (q, k, v) if n not in one and not whole_piece(ctx.placement(n), 1)]
+        one_way = held[0] if held and all(same_pieces(h, held[0]) for h in held) else None
         target = one_way if isinstance(one_way, Shard) and one_way.dim == 1 and one_way.in_pieces \
             and one_way.pieces > 1 else Shard(1)
     def alike(n: Node) -> bool:  # the target's heads, written otherwise (a repeat's copies, a reshape's outer)
@@ -261,8 +263,8 @@ def sdpa(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
 
     for n in (k, v, mask, q):
         p = ctx.placement(n) if isinstance(n, Node) else None
-        shared = p == whole_piece and cut_from_shared(p, target, ctx.world_size)  # whole on every rank: its part cut
-        if isinstance(p, Shard) and p != target and n not in one and not shared and not alike(n):
+        shared = whole_piece(p, 1) and cut_from_shared(p, target, ctx.world_size)  # whole on every rank: its part
+        if isinstance(p, Shard) and not same_pieces(p, target) and n not in one and not shared and not alike(n):
             why = f"attention input sharded as {p}, expected whole heads (dim 1)"
             if n in (k, v) and p.dim == 1 and (p.plain_padded or p.pieces) and target.dim == 1 \
                     and (target.plain_padded or isinstance(ctx.placement(q), Shard)):
@@ -278,7 +280,7 @@ def sdpa(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         if n in one:  # one key / value head broadcast over every query head (multi-query): whole on each rank
             wants.append(Want(n, ctx.placement(n)) if ctx.placement(n) != REPLICATE else ctx.replicated_want(n, target))
             continue
-        whole = isinstance(ctx.placement(n), Replicate) or ctx.placement(n) == whole_piece
+        whole = isinstance(ctx.placement(n), Replicate) or whole_piece(ctx.placement(n), 1)
         if whole and heads % ctx.world_size and target.padded != padded_size(heads, ctx.world_size) \
                 and not (target.in_pieces and heads % target.pieces == 0):
             return Result(REPLICATE, [Want(m, REPLICATE) for m in tensors],

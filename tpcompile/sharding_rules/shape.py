@@ -8,7 +8,7 @@ import sympy
 import torch
 from torch.fx import Node
 
-from tpcompile.placement import REPLICATE, Replicate, Shard, moved, segmented, shard, split_dims
+from tpcompile.placement import REPLICATE, Replicate, Shard, moved, piece_shard, segmented, shard, split_dims
 from tpcompile.sharding_rules.group_cuts import cuts_local, cuts_reshape, expand_within, inferred, padded_groups
 from tpcompile.sharding_rules.grouped import cut_later, grouped, on_one, regroup
 from tpcompile.sharding_rules.padded import padded_reshape, split_cut_segments
@@ -116,7 +116,7 @@ def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: i
             q, pre = prod(outs_g[u + 1:]), prod(outs_g[:u])
             if size == 1 or not isinstance(q, int) or any(f % q for f in blocks):
                 continue
-            if p.cuts is not None:  # segments in fewer pieces than ranks (MQA's kv): one run of them, as is
+            if p.cuts is not None and p.pieces is None:  # segments in fewer pieces than ranks: one run of them
                 one, counts = [f // q for f in blocks], p.counts(ws)
                 if sizes_equal(pre, count) and size == sum(one) and not any(s % g for s, g in zip(one, counts)):
                     return segmented(gj[u], one, ws, counts=counts), ""
@@ -145,7 +145,9 @@ def reshape_placement(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: i
             # tokens (seq) are split at run time, in shares of any count (layouts/token_shares.py)
             if isinstance(m, int) and m > 1 and p.pieces is None and not p.seq:  # m known repetitions: segments
                 return shard(gj[u], list(one) * m), ""
-            return replace(shard(gj[u], one), outer=None if m == 1 else m, pieces=p.pieces, seq=p.seq), ""
+            if p.pieces:  # one segment in pieces, as it was
+                return piece_shard(gj[u], one[0], p.pieces, outer=None if m == 1 else m, seq=p.seq), ""
+            return replace(shard(gj[u], one), outer=None if m == 1 else m, seq=p.seq), ""
         return None, why
     return None, "sharded dim not found"
 
@@ -163,7 +165,7 @@ def reshape(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         dims = next((gj for gi, gj in groups if p.dim in gi), [])
         ones = [j for j in dims if ctx.shape(node)[j] == 1] or dims[:1]
         if ones:
-            return Result(Shard(ones[0], pieces=1), [Want(x, p)])
+            return Result(piece_shard(ones[0], ctx.shape(node)[ones[0]], 1), [Want(x, p)])
     out, why = reshape_placement(p, ctx.shape(x), ctx.shape(node), ctx.world_size)
     if out is not None and out.split_next and p.split_next is None and cut_later(node, out.dim + 1):
         out, why = None, f"reshape splits dim {out.dim + 1} within pieces, and a later op cuts along it"
@@ -185,7 +187,7 @@ def reshape(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     if out.rank_cuts and out.outer is not None and spec.get("shape_arg") is not None:  # heads folded into rows:
         if not inferred(node.args[spec.get("shape_arg")], out.dim):  # their count only as -1
             return _fail(node, f"reshape folds the explicitly cut dim into dim {out.dim} of a size given as a number")
-    elif spec.get("shape_arg") is not None and (out.shared(ctx.world_size) or out.rank_cuts):
+    elif spec.get("shape_arg") is not None and (out.shared(ctx.world_size) and not out.pieces or out.rank_cuts):
         local = sum(out.seg_local(ctx.world_size)) if cut is None else cut
         res.localize = [("shape_set", spec.get("shape_arg"), (out.dim, local), None)]
     elif spec.get("shape_arg") is not None:

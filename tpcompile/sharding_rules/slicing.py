@@ -13,8 +13,8 @@ import torch
 from torch.fx import Node
 
 from tpcompile.layouts import dim_layout
-from tpcompile.placement import (PARTIAL, REPLICATE, Replicate, Shard, cut_shard, moved, pad_cuts, segmented,
-                                 split_dims)
+from tpcompile.placement import (PARTIAL, REPLICATE, Replicate, Shard, cut_shard, moved, pad_cuts, piece_shard,
+                                 segmented, split_dims)
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want, norm_dim, sizes_equal
 from tpcompile.sharding_rules.table import RuleSpec
@@ -127,7 +127,7 @@ def index(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return _fail(node, "indexes with split positions", tuple(ids))
     taken = [k for k, i in enumerate(idx) if i is not None]
     if taken == [p.dim] and spec.get("positions") and _whole_pick(p, spec.get("positions"), ctx.shape(x)[p.dim]):
-        return Result(Shard(p.dim, pieces=1), [Want(x, p)] + [Want(i, REPLICATE) for i in ids])
+        return Result(piece_shard(p.dim, ctx.shape(node)[p.dim], 1), [Want(x, p)] + [Want(i, REPLICATE) for i in ids])
     if set(split_dims(p)) & set(taken) or taken != list(range(taken[0], taken[-1] + 1)):
         return _fail(node, f"gathers along the split dim {p.dim}", tuple(ids))
     new = max(len(ctx.shape(i)) for i in ids)  # the positions' (broadcast) dims replace the indexed ones
@@ -139,7 +139,7 @@ def _whole_pick(p: Shard, positions: tuple, size: Any) -> bool:
     """True when constant `positions` along the split dim lie in one segment whole on every rank, and every
     segment between it and the end they count from is whole too, so they are the same positions locally
     (Falcon's multi-query `qkv[..., [-2], :]` picks its one key head)."""
-    if not isinstance(size, int) or not p.even_segments or len(set(q < 0 for q in positions)) != 1:
+    if not isinstance(size, int) or not p.even_segments or p.pieces or len(set(q < 0 for q in positions)) != 1:
         return False
     counts = [len(c) - 1 for c in p.cuts]
     bounds = [sum(p.segments[:k]) for k in range(len(p.segments) + 1)]
