@@ -127,7 +127,8 @@ def index(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         return _fail(node, "indexes with split positions", tuple(ids))
     taken = [k for k, i in enumerate(idx) if i is not None]
     if taken == [p.dim] and spec.get("positions") and _whole_pick(p, spec.get("positions"), ctx.shape(x)[p.dim]):
-        return Result(piece_shard(p.dim, ctx.shape(node)[p.dim], 1), [Want(x, p)] + [Want(i, REPLICATE) for i in ids])
+        out = piece_shard(p.dim, ctx.shape(node)[p.dim], 1)
+        return Result(out, [Want(x, p)] + [Want(i, REPLICATE) for i in ids])
     if set(split_dims(p)) & set(taken) or taken != list(range(taken[0], taken[-1] + 1)):
         return _fail(node, f"gathers along the split dim {p.dim}", tuple(ids))
     new = max(len(ctx.shape(i)) for i in ids)  # the positions' (broadcast) dims replace the indexed ones

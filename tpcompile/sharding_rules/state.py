@@ -49,8 +49,9 @@ def write_into(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         # a temporary laid out as the value written (segments, heads cut within their groups): each rank writes its
         # part into its part
         return Result(ps, [Want(dst, ps), Want(src, ps)] + [Want(n, REPLICATE) for n in others])
-    if not isinstance(ps, Shard) or ps.segments and not ps.pieces or (ps.padded and not ps.plain_padded) or ps.outer or ps.seq \
-            or len(sshape) != len(dshape):  # heads zero-padded to a multiple of the ranks: the buffer is padded too
+    # (heads zero-padded to a multiple of the ranks: the buffer is padded too)
+    if not isinstance(ps, Shard) or ps.segments and not ps.pieces or (ps.padded and not ps.plain_padded) \
+            or ps.outer or ps.seq or len(sshape) != len(dshape):
         return _fail(node, tensors, f"writes a value split as {ps} into {dst.name} in place")
     i = spec.get("dim_arg")
     if i is not None and norm_dim(node.args[i], len(dshape)) == ps.dim:
