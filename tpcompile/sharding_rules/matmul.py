@@ -9,6 +9,7 @@ from torch.fx import Node
 from tpcompile.layouts import even_cuts, holders, same_holdings
 from tpcompile.placement import (PARTIAL, REPLICATE, Replicate, Shard, moved, pad_cuts, padded_size, param_cut,
                                  piece_shard, segmented)
+from tpcompile.sharding_rules.gqa import gqa_attention
 from tpcompile.sharding_rules.group_cuts import group_cuts
 from tpcompile.sharding_rules.pieces import piece_matmul
 from tpcompile.sharding_rules.registry import rule
@@ -244,6 +245,9 @@ def sdpa(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     tensors = [q, k, v] + ([mask] if isinstance(mask, Node) else [])
     if ctx.all_replicated(tensors):
         return Result(REPLICATE, [Want(n, REPLICATE) for n in tensors])
+    gqa = gqa_attention(node, ctx, q, k, v, mask)  # fewer kv heads than query heads, read by the op itself
+    if gqa is not None:
+        return gqa
     one = [n for n in (k, v) if ctx.shape(n)[1] == 1 and (ctx.placement(n) == REPLICATE
                                                             or whole_piece(ctx.placement(n), 1))]
     # whole heads per rank; heads zero-padded to a multiple of the ranks when their count does not divide

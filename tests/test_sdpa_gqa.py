@@ -1,0 +1,132 @@
+"""Grouped-query attention done by the attention op itself (`scaled_dot_product_attention(..., enable_gqa=True)`,
+k and v never repeated in the graph): split at any world size with every rank's query heads whole groups of its kv
+heads (evenly, kv heads in pieces shared by ranks, or zero-padded by whole groups; one kv head for all whole on every
+rank), exact forward and gradients, no warning; on real gloo processes too."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tpcompile
+from tpcompile.placement import Shard
+from tpcompile.runtime.launch import launch
+from tpcompile.sharding_rules.gqa import kv_split
+
+WIDTH, HEAD = 32, 8
+
+
+class Attention(nn.Module):
+    def __init__(self, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads = heads, kv_heads
+        self.q, self.o = nn.Linear(WIDTH, heads * HEAD), nn.Linear(heads * HEAD, WIDTH)
+        self.k, self.v = nn.Linear(WIDTH, kv_heads * HEAD), nn.Linear(WIDTH, kv_heads * HEAD)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.heads, HEAD).transpose(1, 2)
+        k = self.k(x).view(b, t, self.kv_heads, HEAD).transpose(1, 2)
+        v = self.v(x).view(b, t, self.kv_heads, HEAD).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Net(nn.Module):
+    def __init__(self, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(WIDTH) for _ in range(4))
+        self.attns = nn.ModuleList(Attention(heads, kv_heads) for _ in range(2))
+        self.ups = nn.ModuleList(nn.Linear(WIDTH, 48) for _ in range(2))
+        self.downs = nn.ModuleList(nn.Linear(48, WIDTH) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(2):
+            x = x + self.attns[i](self.norms[2 * i](x))
+            x = x + self.downs[i](F.gelu(self.ups[i](self.norms[2 * i + 1](x))))
+        return x
+
+
+def _net(heads: int, kv_heads: int) -> Net:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return Net(heads, kv_heads)
+
+
+def _shard(model: nn.Module, ws: int) -> tpcompile.ShardedModel:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpcompile.TPCompileWarning)  # no part left whole
+        return tpcompile.shard(model, ws, example_inputs=(torch.randn(2, 6, WIDTH),))
+
+
+@pytest.mark.parametrize("heads, kv_heads, ws, layout", [
+    (4, 2, 4, ("S(1)", "S(1/2)")),  # one query head a rank, each kv head held by the 2 ranks reading it
+    (4, 2, 3, ("S(1~6)", "S(1~3)")),  # whole groups: 2 query heads and their kv head a rank, the last one zeros
+    (8, 2, 5, ("S(1~20)", "S(1~5)")),
+    (6, 2, 8, ("S(1~24)", "S(1~8)")),
+    (12, 4, 6, ("S(1~18)", "S(1~6)")),
+    (12, 4, 2, ("S(1)", "S(1)")),  # two kv heads and their six query heads a rank
+    (4, 1, 5, ("S(1~5)", "S(1/1)")),  # multi-query: the kv head whole on every rank, the query heads padded
+])
+def test_every_rank_keeps_whole_groups(heads: int, kv_heads: int, ws: int, layout: tuple) -> None:
+    model = _net(heads, kv_heads)
+    sm = _shard(model, ws)
+    assert {m: sm.plan.modules[f"attns.0.{m}"] for m in "qkvo"} == \
+        {"q": "column", "k": "column", "v": "column", "o": "row"}
+    attn = next(n for n in sm.captured.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default)
+    assert tuple(str(sm.decisions.placement(a)) for a in attn.args[:2]) == layout
+    x = torch.randn(3, 5, WIDTH)  # another batch and length than the capture's
+    with torch.no_grad():
+        ref = model(x)
+        for out in tpcompile.simulate(sm, x):
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    report = tpcompile.check_gradients(model.train(), sm, x)
+    assert report.ok, str(report)
+    # each rank's attention is the same call on its heads: whole groups of its kv heads
+    q, k = (sm.plan.parameters[f"attns.0.{m}.weight"].local_shape[0] // HEAD for m in "qk")
+    assert q % k == 0 and q // k in (heads // kv_heads, 1), (q, k)
+    for r in range(ws):
+        local = [n for n in sm.rank(r).graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+        assert len(local) == 2 and all(n.kwargs.get("enable_gqa") for n in local)
+
+
+def test_query_heads_that_are_not_whole_groups_are_refused() -> None:
+    """The kv split of a query split: None where a rank's query heads would read kv heads that no layout binds to it
+    (a query head a rank over 3-head groups at 2 ranks a kv head: no; padded heads one a rank over 2 groups of 4 at 5
+    ranks: ranks 0-1 and 2-3 would read kv heads 0 and 1, pieces bind ranks 0-2 and 3-4)."""
+    assert kv_split(Shard(1), 4, 2, 4) is not None and kv_split(Shard(1), 6, 3, 3) == Shard(1)
+    assert kv_split(Shard(1), 6, 2, 6) is not None
+    assert kv_split(Shard(1, cuts=((0, 2, 4, 6, 8, 10),)), 8, 2, 5) is None
+    assert kv_split(Shard(1), 6, 2, 3) is None  # 2 query heads a rank over groups of 3
+
+
+def _gloo_rank(rank: int) -> dict:
+    torch.set_num_threads(1)
+    model = _net(4, 2).train()
+    gm = _shard(model, 4).rank(rank)
+    x = torch.randn(2, 7, WIDTH, generator=torch.Generator().manual_seed(3))
+    out = gm(x)
+    out.pow(2).mean().backward()
+    return {"out": out.detach(), "grads": {n: p.grad.clone() for n, p in gm.named_parameters()}}
+
+
+@pytest.mark.gloo
+def test_on_gloo_processes_equals_one_process() -> None:
+    """4 gloo processes, 4 query heads over 2 kv heads: outputs and gradients of one process; a kv projection's
+    gradient (in pieces: each kv head held by 2 ranks) summed over the ranks sharing it."""
+    model = _net(4, 2).train()
+    x = torch.randn(2, 7, WIDTH, generator=torch.Generator().manual_seed(3))
+    ref = model(x)
+    ref.pow(2).mean().backward()
+    grads = dict(model.named_parameters())
+    for r, res in enumerate(launch(4, _gloo_rank, timeout=300)):
+        torch.testing.assert_close(res["out"], ref.detach(), atol=1e-5, rtol=0)
+        mine = res["grads"]
+        torch.testing.assert_close(mine["norms.0.weight"], grads["norms.0.weight"].grad, atol=1e-5, rtol=0)
+        rows = slice(r * HEAD, (r + 1) * HEAD)  # query head r; kv head r // 2
+        torch.testing.assert_close(mine["attns.0.q.weight"], grads["attns.0.q.weight"].grad[rows], atol=1e-5, rtol=0)
+        kv = slice(r // 2 * HEAD, (r // 2 + 1) * HEAD)
+        torch.testing.assert_close(mine["attns.1.k.weight"], grads["attns.1.k.weight"].grad[kv], atol=1e-5, rtol=0)
