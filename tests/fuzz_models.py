@@ -48,7 +48,8 @@ class FuzzConfig:
     autocast: bool = False  # captured and run under torch.autocast('cpu', bfloat16)
     rotary: str = "none"  # none | half (rotate_half) | interleaved (stack + flatten) | complex (view_as_complex)
     alibi: bool = False  # per-head linear bias added to the scores (manual attention), sliced by head
-    kv_repeat: str = "expand"  # expand | repeat_interleave: how kv heads are repeated for their query groups
+    kv_repeat: str = "expand"  # expand | repeat_interleave | enable_gqa (sdpa reads them itself): how kv heads
+    # are repeated for their query groups
     qkv_form: str = "split"  # split | slice (qkv[..., :q]) | per_head (view(B, T, H, 3, D)); fused only
     embed_proj: int = 0  # the embedding's width E when it is projected up to the model width (0: none)
     moe: str = "none"  # none | a tests/moe_models.py layout: the feed-forward is a mixture of experts
@@ -101,7 +102,7 @@ def _idioms(draw: st.DrawFn, heads: int, kv_heads: int, width: int, autocast: bo
     fused_per_head = kv_heads == heads and _rarely(draw, 4)
     return dict(
         rotary=draw(st.sampled_from(["none"] * 5 + ["half", "interleaved", "complex"])), alibi=_rarely(draw, 5),
-        kv_repeat=draw(st.sampled_from(["expand", "expand", "repeat_interleave"])),
+        kv_repeat=draw(st.sampled_from(["expand", "expand", "repeat_interleave", "enable_gqa"])),
         qkv_form="per_head" if fused_per_head else draw(st.sampled_from(["split", "split", "slice"])),
         embed_proj=draw(st.sampled_from([0] * 6 + [8, 12, 16])) if width > 8 else 0,
         moe="none" if autocast else draw(st.sampled_from(["none"] * 7 + list(LAYOUTS[:2]) + ["bmm", "einsum"])))
@@ -206,7 +207,8 @@ class Attention(nn.Module):
         q, k, v = self.project(x)
         if cfg.rotary != "none":
             q, k = self.rotate(q), self.rotate(k)
-        if cfg.kv_heads != cfg.heads:  # repeat each kv head for its group of query heads
+        by_sdpa = cfg.kv_repeat == "enable_gqa" and cfg.attention == "sdpa" and not cfg.alibi
+        if cfg.kv_heads != cfg.heads and not by_sdpa:  # repeat each kv head for its group of query heads
             rep = cfg.heads // cfg.kv_heads
             if cfg.kv_repeat == "repeat_interleave":
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -215,7 +217,7 @@ class Attention(nn.Module):
                 k = k[:, :, None].expand(B, cfg.kv_heads, rep, T, cfg.head_dim).reshape(shape)
                 v = v[:, :, None].expand(B, cfg.kv_heads, rep, T, cfg.head_dim).reshape(shape)
         if cfg.attention == "sdpa" and not cfg.alibi:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=by_sdpa)
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(cfg.head_dim))  # (B, nh, T, T)
             if cfg.alibi:

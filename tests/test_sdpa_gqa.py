@@ -93,6 +93,24 @@ def test_every_rank_keeps_whole_groups(heads: int, kv_heads: int, ws: int, layou
         assert len(local) == 2 and all(n.kwargs.get("enable_gqa") for n in local)
 
 
+@pytest.mark.parametrize("ws", [4, 5])
+def test_kv_projections_kept_whole_are_cut_locally(ws: int) -> None:
+    """k and v computed whole on every rank (their projections kept whole, as a projection of fewer features than
+    ranks is): each rank cuts the kv heads of its query heads out of them, not the whole heads."""
+    model = _net(4, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpcompile.TPCompileWarning)
+        sm = tpcompile.shard(model, ws, example_inputs=(torch.randn(2, 6, WIDTH),),
+                             plan={f"attns.{i}.{p}": "replicate" for i in range(2) for p in "kv"})
+    assert sm.plan.modules["attns.0.k"] == "replicated" and sm.plan.modules["attns.0.q"] == "column"
+    x = torch.randn(3, 5, WIDTH)
+    with torch.no_grad():
+        for out in tpcompile.simulate(sm, x):
+            torch.testing.assert_close(out, model(x), atol=1e-5, rtol=0)
+    report = tpcompile.check_gradients(model.train(), sm, x)
+    assert report.ok, str(report)
+
+
 def test_query_heads_that_are_not_whole_groups_are_refused() -> None:
     """The kv split of a query split: None where a rank's query heads would read kv heads that no layout binds to it
     (a query head a rank over 3-head groups at 2 ranks a kv head: no; padded heads one a rank over 2 groups of 4 at 5

@@ -34,14 +34,14 @@ def gqa_attention(node: Node, ctx: RuleContext, q: Node, k: Node, v: Node, mask:
         pieced = isinstance(ctx.placement(q), Shard) and ctx.placement(q).pieces  # asks for them one to a rank
         return Result(REPLICATE, [Want(n, REPLICATE) for n in tensors], blame=[q], conflict=why,
                       unpiece=[q] if pieced else None)
-    wants = [Want(q, target) if isinstance(ctx.placement(q), Shard) else ctx.replicated_want(q, target)]
+    wants = [Want(q, target)]  # (a whole value cut locally to it)
     for n in (k, v):
         p = ctx.placement(n)
         if isinstance(p, Shard) and p != want:
             return Result(REPLICATE, [Want(m, REPLICATE) for m in tensors], blame=[n],
                           conflict=f"attention input sharded as {p}, expected {want}: the kv heads of the query "
                                    f"heads {target} holds")
-        wants.append(Want(n, want) if isinstance(p, Shard) else ctx.replicated_want(n, want))
+        wants.append(Want(n, want))
     if isinstance(mask, Node):
         per_head = len(ctx.shape(mask)) == 4 and ctx.shape(mask)[1] != 1
         wants.append(Want(mask, target) if per_head else ctx.replicated_want(mask, target))
