@@ -49,8 +49,8 @@ def gqa_attention(node: Node, ctx: RuleContext, q: Node, k: Node, v: Node, mask:
 
 
 def _query_split(p: Any, heads: int, ws: int) -> Optional[Shard]:
-    """The query heads' split: as they are when split evenly or zero-padded on the heads dim; an even split for
-    whole queries the ranks divide; else None."""
+    """The query heads' split: as they are when split evenly or zero-padded on the heads dim; whole queries cut
+    evenly when the ranks divide their heads; else None."""
     if isinstance(p, Shard):
         return p if p.dim == 1 and (p.plain or p.plain_padded) and not p.seq else None
     return Shard(1) if heads % ws == 0 else None
