@@ -6,18 +6,15 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Optional
 
-from tpcompile.layouts import even_cuts
-from tpcompile.placement import Shard
+from tpcompile.placement import Shard, piece_shard
 
 
 def piece_resized(p: Shard, size: Any, pieces: Optional[int] = None) -> Shard:
     """`p`'s pieces (or `pieces` of them) over a dim of `size` elements: the ranks holding each piece stay, its
     extent follows the tensor (q's heads and k's heads in as many pieces; one piece repeated or moved). A dim
     of a size not known until run time is one piece, whole on every rank."""
-    g = p.pieces if pieces is None else pieces
-    if g == 1:
-        return replace(p, segments=(size,), cuts=((0, size),))
-    return replace(p, segments=(int(size),), cuts=(even_cuts(int(size), int(g)),))
+    cut = piece_shard(p.dim, size, p.pieces if pieces is None else pieces)
+    return replace(p, segments=cut.segments, cuts=cut.cuts)
 
 
 def whole_piece(p: object, dim: int) -> bool:
