@@ -1,7 +1,7 @@
 """Grouped-query attention done by the attention op itself (`scaled_dot_product_attention(..., enable_gqa=True)`,
-k and v never repeated in the graph): split at any world size with every rank's query heads whole groups of its kv
-heads (evenly, kv heads in pieces shared by ranks, or zero-padded by whole groups; one kv head for all whole on every
-rank), exact forward and gradients, no warning; on real gloo processes too."""
+k and v never repeated in the graph): split at any world size with every rank's query heads reading its own kv heads
+(evenly, kv heads in pieces shared by the ranks among which their groups are cut, or zero-padded by whole groups; one
+kv head for all whole on every rank), exact forward and gradients, no warning; on real gloo processes too."""
 from __future__ import annotations
 
 import warnings
@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import tpcompile
-from tpcompile.placement import Shard
+from tpcompile.placement import Shard, cut_shard, pad_cuts, piece_shard
 from tpcompile.runtime.launch import launch
-from tpcompile.sharding_rules.gqa import kv_split
+from tpcompile.sharding_rules.gqa import kv_split, reads_own_kv
 
 WIDTH, HEAD = 32, 8
 
@@ -62,16 +62,18 @@ def _shard(model: nn.Module, ws: int) -> tpcompile.ShardedModel:
         return tpcompile.shard(model, ws, example_inputs=(torch.randn(2, 6, WIDTH),))
 
 
-@pytest.mark.parametrize("heads, kv_heads, ws, layout", [
-    (4, 2, 4, ("S(1)", "S(1/2)")),  # one query head a rank, each kv head held by the 2 ranks reading it
-    (4, 2, 3, ("S(1~6)", "S(1~3)")),  # whole groups: 2 query heads and their kv head a rank, the last one zeros
-    (8, 2, 5, ("S(1~20)", "S(1~5)")),
-    (6, 2, 8, ("S(1~24)", "S(1~8)")),
-    (12, 4, 6, ("S(1~18)", "S(1~6)")),
-    (12, 4, 2, ("S(1)", "S(1)")),  # two kv heads and their six query heads a rank
-    (4, 1, 5, ("S(1~5)", "S(1/1)")),  # multi-query: the kv head whole on every rank, the query heads padded
+@pytest.mark.parametrize("heads, kv_heads, ws, layout, per_rank", [
+    (4, 2, 4, ("S(1)", "S(1/2)"), 1),  # one query head a rank, each kv head held by the 2 ranks reading it
+    (4, 2, 3, ("S(1~6)", "S(1~3)"), 2),  # whole groups: 2 query heads and their kv head a rank, the last one zeros
+    # each kv head a piece held by ranks 0-2 and 3-4, its 4 query heads cut 2 | 2 | zeros and 2 | 2 (whole groups: 4)
+    (8, 2, 5, ("S(1|4:2.2.0~6+4:2.2~4)", "S(1/2)"), 2),
+    (6, 2, 8, ("S(1|3:1.1.1.0~4+3:1.1.1.0~4)", "S(1/2)"), 1),  # 3 query heads over the 4 ranks of each kv head
+    (6, 2, 4, ("S(1|3:2.1~4+3:2.1~4)", "S(1/2)"), 2),  # 2 | 1 and a zero head (whole groups: 3)
+    (12, 4, 6, ("S(1~18)", "S(1~6)"), 3),  # 4 kv heads leave a piece without ranks at 6: whole groups
+    (12, 4, 2, ("S(1)", "S(1)"), 6),  # two kv heads and their six query heads a rank
+    (4, 1, 5, ("S(1~5)", "S(1/1)"), 1),  # multi-query: the kv head whole on every rank, the query heads padded
 ])
-def test_every_rank_keeps_whole_groups(heads: int, kv_heads: int, ws: int, layout: tuple) -> None:
+def test_every_rank_reads_its_own_kv_heads(heads: int, kv_heads: int, ws: int, layout: tuple, per_rank: int) -> None:
     model = _net(heads, kv_heads)
     sm = _shard(model, ws)
     assert {m: sm.plan.modules[f"attns.0.{m}"] for m in "qkvo"} == \
@@ -85,9 +87,9 @@ def test_every_rank_keeps_whole_groups(heads: int, kv_heads: int, ws: int, layou
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
     report = tpcompile.check_gradients(model.train(), sm, x)
     assert report.ok, str(report)
-    # each rank's attention is the same call on its heads: whole groups of its kv heads
+    # each rank's attention is the same call on its heads, its query heads reading its kv heads
     q, k = (sm.plan.parameters[f"attns.0.{m}.weight"].local_shape[0] // HEAD for m in "qk")
-    assert q % k == 0 and q // k in (heads // kv_heads, 1), (q, k)
+    assert q == per_rank and q % k == 0, (q, k)
     for r in range(ws):
         local = [n for n in sm.rank(r).graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
         assert len(local) == 2 and all(n.kwargs.get("enable_gqa") for n in local)
@@ -121,10 +123,23 @@ def test_query_heads_that_are_not_whole_groups_are_refused() -> None:
     assert kv_split(Shard(1), 6, 2, 3) is None  # 2 query heads a rank over groups of 3
 
 
-def _gloo_rank(rank: int) -> dict:
+def test_each_rank_query_heads_checked_against_its_kv_heads() -> None:
+    """`reads_own_kv` reads both layouts rank by rank: groups cut among the ranks of their kv head's piece pass, the
+    same query cut over kv heads padded one a rank (ranks 1 and 2 would read kv heads 1 and 2 for group 0) fails."""
+    groups = cut_shard(1, (4, 4), ((0, 2, 4, 6, 6, 6), (0, 0, 0, 0, 2, 4)), 5)
+    assert str(groups) == "S(1|4:2.2.0~6+4:2.2~4)"
+    assert kv_split(groups, 8, 2, 5) == piece_shard(1, 2, 2)
+    assert reads_own_kv(groups, piece_shard(1, 2, 2), 8, 2, 5)
+    assert not reads_own_kv(groups, Shard(1, cuts=pad_cuts(5, 5)), 8, 2, 5)
+    assert reads_own_kv(Shard(1), Shard(1), 6, 2, 2)
+    assert not reads_own_kv(Shard(1), piece_shard(1, 2, 1), 4, 2, 2)  # both kv heads on a rank: q head 1 would read 1
+    assert reads_own_kv(Shard(1, cuts=pad_cuts(6, 3)), Shard(1, cuts=pad_cuts(3, 3)), 4, 2, 3)
+
+
+def _gloo_rank(rank: int, heads: int, ws: int) -> dict:
     torch.set_num_threads(1)
-    model = _net(4, 2).train()
-    gm = _shard(model, 4).rank(rank)
+    model = _net(heads, 2).train()
+    gm = _shard(model, ws).rank(rank)
     x = torch.randn(2, 7, WIDTH, generator=torch.Generator().manual_seed(3))
     out = gm(x)
     out.pow(2).mean().backward()
@@ -132,19 +147,28 @@ def _gloo_rank(rank: int) -> dict:
 
 
 @pytest.mark.gloo
-def test_on_gloo_processes_equals_one_process() -> None:
-    """4 gloo processes, 4 query heads over 2 kv heads: outputs and gradients of one process; a kv projection's
-    gradient (in pieces: each kv head held by 2 ranks) summed over the ranks sharing it."""
-    model = _net(4, 2).train()
+@pytest.mark.parametrize("heads, ws, q_heads", [
+    (4, 4, [[0], [1], [2], [3]]),  # one query head a rank, each kv head held by 2 ranks
+    (8, 5, [[0, 1], [2, 3], [], [4, 5], [6, 7]]),  # kv heads held by ranks 0-2 and 3-4, rank 2's query heads zeros
+])
+def test_on_gloo_processes_equals_one_process(heads: int, ws: int, q_heads: list) -> None:
+    """gloo processes, query heads over 2 kv heads: outputs and gradients of one process; a kv projection's gradient
+    (in pieces: each kv head held by the ranks whose query heads read it) summed over the ranks sharing it, a query
+    projection's zero heads without gradient."""
+    model = _net(heads, 2).train()
     x = torch.randn(2, 7, WIDTH, generator=torch.Generator().manual_seed(3))
     ref = model(x)
     ref.pow(2).mean().backward()
     grads = dict(model.named_parameters())
-    for r, res in enumerate(launch(4, _gloo_rank, timeout=300)):
+    share = -(-ws // 2)
+    for r, res in enumerate(launch(ws, _gloo_rank, heads, ws, timeout=300)):
         torch.testing.assert_close(res["out"], ref.detach(), atol=1e-5, rtol=0)
         mine = res["grads"]
         torch.testing.assert_close(mine["norms.0.weight"], grads["norms.0.weight"].grad, atol=1e-5, rtol=0)
-        rows = slice(r * HEAD, (r + 1) * HEAD)  # query head r; kv head r // 2
-        torch.testing.assert_close(mine["attns.0.q.weight"], grads["attns.0.q.weight"].grad[rows], atol=1e-5, rtol=0)
-        kv = slice(r // 2 * HEAD, (r // 2 + 1) * HEAD)
+        q = mine["attns.0.q.weight"]
+        whole = grads["attns.0.q.weight"].grad
+        real = torch.cat([whole[h * HEAD:(h + 1) * HEAD] for h in q_heads[r]] + [whole[:0]])
+        torch.testing.assert_close(q[:len(real)], real, atol=1e-5, rtol=0)
+        assert not q[len(real):].any()  # zero heads
+        kv = slice(r // share * HEAD, (r // share + 1) * HEAD)
         torch.testing.assert_close(mine["attns.1.k.weight"], grads["attns.1.k.weight"].grad[kv], atol=1e-5, rtol=0)

@@ -31,7 +31,8 @@ multiple of the ranks.
 
 Attention that reads the kv heads itself (`scaled_dot_product_attention(..., enable_gqa=True)`) has no repeat to
 cut and no kv-head replication (each rank would read kv heads the pieces do not bind to it): where the ranks do not
-split it evenly or in pieces, it is padded by whole groups whatever the bytes (sharding_rules/gqa.py).
+split it evenly or in pieces, its groups are cut among the ranks of their kv heads where that holds less (8 query
+heads on 2 kv heads at 5 ranks: 2 a rank), else padded by whole groups whatever the bytes (sharding_rules/gqa.py).
 
 Fewer heads than ranks, as many kv heads as query heads (4 heads at 8 ranks): every projection's unit is one
 head, so the heads are zero-padded to one a rank rather than cut into pieces shared by ranks (which would
@@ -112,14 +113,14 @@ def mark_head_groups(gm: GraphModule, ctx: PassContext) -> None:
         rep = heads // kv
         groups = 2 * -(-kv // ws) * rep + 2 * -(-kv // ws)  # q and o heads, k and v heads: padded groups
         replicated = 2 * -(-heads // ws) + 2 * kv  # q and o split by heads, k and v whole
-        # the op reading the kv heads itself (enable_gqa, no repeat to cut): whole groups, the one way it splits
-        # (one kv head for all: whole on every rank, the query heads split as they are)
+        # the op reading the kv heads itself (enable_gqa, no repeat to cut): whole groups or groups cut within the
+        # kv pieces, the ways it splits (one kv head for all: whole on every rank, the query heads split as they are)
         by_op = out.target in SDPA and bool(out.kwargs.get("enable_gqa")) and kv > 1
         units = (rep * hd, hd, hd) if groups <= replicated or by_op else None  # q by whole groups; k, v by heads
         # a gate of the merged heads, a bias of the scores: (projection, head size), cut as the query heads are
         beside = [(g, hd) for g in gates(out, q, found, ctx)] + biases(out, heads, found, ctx) if units else []
         # kv heads in pieces, each group's query heads cut among the ranks holding its kv head
-        if not by_op and _within(heads, kv, ws, min(groups, replicated)) and (not fused or kv > 1):
+        if _within(heads, kv, ws, groups if by_op else min(groups, replicated)) and (not fused or kv > 1):
             _split_groups(found, (k_arg, v_arg), kv, holders(ws, kv), hd, ctx, units, fused, beside)
         elif units:
             _set_units(found, fused, units, beside)
