@@ -4,7 +4,7 @@ A fused q|k|v projection is three segments; a zero-padded vocabulary one segment
 size (the zeros); kv heads fewer than ranks a segment of fewer pieces than ranks, piece k held by the ranks
 k * h ... (k + 1) * h - 1, h = ceil(world_size / pieces) (`holders`: 2 kv heads at 5 ranks are held by ranks
 0-2 and 3-4). The placement fields (`segments` and
-their `cuts`, or `pieces`) are read in one place, `dim_layout`; the arithmetic on what a rank
+their `cuts`) are read in one place, `dim_layout`; the arithmetic on what a rank
 holds (`DimLayout.runs`, `DimLayout.local_size`) is done once, here, on this value.
 """
 from __future__ import annotations
@@ -108,12 +108,10 @@ def is_even(cuts: Sequence[int]) -> bool:
 
 def dim_layout(p: Any, full: Optional[int], world_size: int) -> DimLayout:
     """The layout of a split dim of size `full` (None: not known, a padded split's padding gives the sizes) that a
-    ParamSlice or Shard `p` describes (its `segments` and their `cuts`, the cuts of a padded dim, `pieces`, or a
+    ParamSlice or Shard `p` describes (its `segments` and their `cuts`, pieces included, the cuts of a padded dim, or a
     token split's shares)."""
-    if p.pieces and full is not None:  # one segment of `pieces` pieces, each shared by `holders` ranks
-        if getattr(p, "seq", False):
-            return _tokens(full, world_size)
-        return DimLayout(world_size, (Segment(full, even_cuts(full, p.pieces)),))
+    if p.pieces and full is not None and getattr(p, "seq", False):  # pieces of tokens: a token split's shares
+        return _tokens(full, world_size)
     if p.cuts is not None:  # explicit: segment k cut at p.cuts[k]; without segments, the dim cut past its size
         assert all(binds(world_size, len(c) - 1) for c in p.cuts), \
             f"pieces {[len(c) - 1 for c in p.cuts]} leave a piece without a rank at world size {world_size}"
