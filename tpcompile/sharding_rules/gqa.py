@@ -36,7 +36,7 @@ def gqa_attention(node: Node, ctx: RuleContext, q: Node, k: Node, v: Node, mask:
         want = None
     if want is None:
         why = (f"{heads} query heads over {kv} kv heads (enable_gqa) laid out as {ctx.placement(q)} across {ws} ranks: "
-               f"a rank's query heads are not whole groups of its kv heads")
+               f"a rank's query heads would read kv heads that no split of them gives it")
         pieced = isinstance(ctx.placement(q), Shard) and ctx.placement(q).pieces  # asks for them one to a rank
         return Result(REPLICATE, [Want(n, REPLICATE) for n in tensors], blame=[q], conflict=why,
                       unpiece=[q] if pieced else None)
@@ -55,8 +55,8 @@ def gqa_attention(node: Node, ctx: RuleContext, q: Node, k: Node, v: Node, mask:
 
 
 def _query_split(p: Any, heads: int, ws: int) -> Optional[Shard]:
-    """The query heads' split: as they are when split evenly or zero-padded on the heads dim; whole queries cut
-    evenly when the ranks divide their heads; else None."""
+    """The query heads' split: as they are when split evenly, zero-padded or cut group by group (explicit cuts) on
+    the heads dim; whole queries cut evenly when the ranks divide their heads; else None."""
     if isinstance(p, Shard):
         cut = p.rank_cuts and p.outer is None and p.split_next is None  # each group cut among its kv head's ranks
         return p if p.dim == 1 and (p.plain or p.plain_padded or cut) and not p.seq else None
@@ -79,7 +79,6 @@ def kv_split(target: Shard, heads: int, kv: int, ws: int) -> Optional[Shard]:
     if target.padded is None and rep % local == 0 and ws % kv == 0 and holders(ws, kv) == rep // local:
         return piece_shard(1, kv, kv)  # a group's query heads spread over the ranks sharing its kv head
     return None
-
 
 
 def reads_own_kv(q: Shard, kv_p: Shard, heads: int, kv: int, ws: int) -> bool:
