@@ -1,13 +1,15 @@
-"""Weight ops kept whole by design, found by annotate before propagation: routers, low-rank down-projections
-and embedding projections.
+"""Weight ops kept whole by design, found by annotate before propagation: routers, low-rank down-projections,
+narrow chains and embedding projections.
 
 Megatron, vLLM and DeepSpeed keep these whole on every rank: a mixture of experts' router (its output
 is one score per expert, and the top-k choice needs them all), the narrow projection of a
 low-rank pair (LoRA's A, MLA's q_a / kv_a in DeepSeek), whose widening partner is split instead
 with no communication between them, and the projection of the embeddings to the model's width
 (OPT's project_in, ALBERT's embedding_hidden_mapping_in) or of the image's patches (a ViT's patch
-convolution), whose output is the residual stream every layer reads whole. The reason is a note in
-the plan, not a warning.
+convolution), whose output is the residual stream every layer reads whole. A narrow value and the few
+numbers projected from it (mixing coefficients, Gemma 3n's AltUp) are kept whole too: each is too small
+to split, and cutting them apart would cut apart what they weight. The reason is a note in the plan, not
+a warning.
 """
 from __future__ import annotations
 
@@ -31,14 +33,17 @@ _SCORES = {"pointwise", "reshape", "along_dim", "softmax", "expand", "transpose"
 
 
 def mark_kept_whole(gm: GraphModule, ctx: PassContext) -> None:
-    """Mark routers (`router`), low-rank pairs (`low_rank` on the narrow one, `low_rank_from` on the wide one)
-    and embedding projections (`embedding_projection`)."""
+    """Mark routers (`router`), low-rank pairs (`low_rank` on the narrow one, `low_rank_from` on the wide one),
+    narrow chains (`low_rank` "narrow" on each) and embedding projections (`embedding_projection`)."""
     for node in _routers(gm, ctx):
         node.meta["tp_rule"] = RuleSpec("weight_matmul", {**node.meta["tp_rule"].args, "router": True})
     for node in _embedding_projections(gm, ctx):
         spec = node.meta["tp_rule"]
         node.meta["tp_rule"] = RuleSpec(spec.rule, {**spec.args, "embedding_projection": True})
-    for down, up in _low_rank_pairs(gm, ctx):
+    pairs, chains = _low_rank(gm, ctx)
+    for node in (n for chain in chains for n in chain):
+        node.meta["tp_rule"] = RuleSpec("weight_matmul", {**node.meta["tp_rule"].args, "low_rank": "narrow"})
+    for down, up in pairs:
         down.meta["tp_rule"] = RuleSpec("weight_matmul", {**down.meta["tp_rule"].args, "low_rank": "down"})
         up.meta["tp_rule"] = RuleSpec("weight_matmul", {**up.meta["tp_rule"].args, "low_rank_from": down})
 
@@ -56,18 +61,25 @@ def weight_sizes(node: Node, ctx: PassContext) -> Optional[tuple[int, int]]:
     return (int(cols), int(rows)) if out_in else (int(rows), int(cols))
 
 
-def _low_rank_pairs(gm: GraphModule, ctx: PassContext) -> list[tuple[Node, Node]]:
-    """(down, up) projections through a narrow value, everything computed from it (dropout, scaling, a norm,
-    a reshape, a split; nothing else mixed in) flowing into one weight matmul that widens (part of) it again:
-    LoRA's A -> B when out <= in/8 and the value goes nowhere else; MLA's q_a -> q_b and kv_a -> kv_b
+def _low_rank(gm: GraphModule, ctx: PassContext) -> tuple[list[tuple[Node, Node]], list[list[Node]]]:
+    """Low-rank pairs and narrow chains.
+
+    Pairs: (down, up) projections through a narrow value, everything computed from it (dropout, scaling, a
+    norm, a reshape, a split; nothing else mixed in) flowing into one weight matmul that widens (part of) it
+    again: LoRA's A -> B when out <= in/8 and the value goes nowhere else; MLA's q_a -> q_b and kv_a -> kv_b
     (out <= in/2, a norm over the narrow features on the way), where part of the value may also go elsewhere
     (kv_a's rotary key, whole on every rank anyway). A value meeting another activation (a residual
-    stream) is not followed.
+    stream) is not followed. Megatron and vLLM keep such a down-projection whole on every rank and split the
+    up-projection, which needs no communication; propagation does the same when the down-projection's input
+    is whole.
 
-    Megatron and vLLM keep such a down-projection whole on every rank and split the up-projection,
-    which needs no communication; propagation does the same when the down-projection's input is whole.
+    Chains: a projection to at most 1/8 of its input features whose value flows (as above) only into weight
+    matmuls that give at most half those input features: a few numbers a token projected to a few more, not
+    widened back (Gemma 3n's AltUp: a router of 4 modalities, then 16 and 4 coefficients that weight other
+    activations). Every part is too small to split, and splitting them would cut the coefficients apart:
+    all whole (`low_rank` "narrow").
     """
-    pairs = []
+    pairs, chains = [], []
     for node in gm.graph.nodes:
         sizes = weight_sizes(node, ctx)
         if sizes is None or sizes[1] * 2 > sizes[0]:
@@ -75,27 +87,45 @@ def _low_rank_pairs(gm: GraphModule, ctx: PassContext) -> list[tuple[Node, Node]
         ends, region, todo, normed, escapes = set(), {node}, list(node.users), False, False
         while todo and len(region) < 48:
             u = todo.pop()
-            if u in region or u in ends:
-                continue
+            if u in region or u in ends or _metadata_read(u):
+                continue  # a shape read or an assertion on its metadata: not a use of the values
             spec = u.meta.get("tp_rule")
             if weight_sizes(u, ctx) is not None:
                 ends.add(u)
             elif u.op == "call_function" and (u.target is operator.getitem or spec is not None and spec.rule in
                                               _THROUGH) and all(i in region or i.op == "get_attr" or not _tensor(i)
-                                                                for i in u.all_input_nodes):  # nothing else mixed in
+                                                                for i in _values_read(u)):  # nothing else mixed in
                 region.add(u)
                 normed = normed or (spec is not None and spec.rule in _NORMS)
                 todo += list(u.users)
             else:
                 escapes = True  # the value goes elsewhere too
-        up = next(iter(ends)) if len(ends) == 1 and not todo else None
+        if not ends or todo:
+            continue
+        if sizes[1] * 8 <= sizes[0] and all(weight_sizes(u, ctx)[1] * 2 <= sizes[0] for u in ends):
+            chains.append([node, *sorted(ends, key=lambda u: u.name)])
+            continue
+        up = next(iter(ends)) if len(ends) == 1 else None
         if up is None:
             continue
         up_in, up_out = weight_sizes(up, ctx)
         lora = not escapes and sizes[1] * 8 <= sizes[0] and up_in == sizes[1]
         if lora or (normed and up_in <= sizes[1] < up_out):
             pairs.append((node, up))
-    return pairs
+    return pairs, chains
+
+
+def _values_read(node: Node) -> list[Node]:
+    """The inputs whose values `node` reads (type_as reads only its other operand's dtype)."""
+    if op_name(node.target) == "aten.type_as.default":
+        return [a for a in node.args[:1] if isinstance(a, Node)]
+    return list(node.all_input_nodes)
+
+
+def _metadata_read(node: Node) -> bool:
+    """True for an op that reads a value's metadata only: a size (sym_size), an assertion on its dtype."""
+    val = node.meta.get("val")
+    return val is None and node.op == "call_function" or isinstance(val, (int, torch.SymInt))
 
 
 def _tensor(node: Node) -> bool:

@@ -163,6 +163,8 @@ def _keep_whole(spec: RuleSpec) -> Optional[str]:
         return "router: whole on every rank (its top-k choice needs every expert's score)"
     if spec.get("embedding_projection"):
         return "embedding projection: whole on every rank (its output is the residual stream the layers read whole)"
+    if spec.get("low_rank") == "narrow":
+        return "narrow projection: whole on every rank (a low-rank pair whose up-projection does not widen back)"
     if spec.get("low_rank") == "down":
         return "low-rank down-projection: whole on every rank (its up-projection is split instead)"
     partner = spec.get("low_rank_from")
