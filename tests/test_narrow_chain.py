@@ -39,15 +39,16 @@ class MixedStreams(nn.Module):
 
 
 class LoRA(nn.Module):
-    """A LoRA pair beside a projection: A (64 -> 4) whole, B (4 -> 64) widens back and is split."""
+    """A LoRA pair beside a projection to `out` features: A (64 -> 4) whole, B (4 -> out) added to the projection
+    and split with it, also where the projection is half the model's width (a kv projection's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, out: int = WIDTH) -> None:
         super().__init__()
-        self.base, self.a, self.b = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 4, bias=False), nn.Linear(4, WIDTH)
-        self.out = nn.Linear(WIDTH, WIDTH)
+        self.base, self.a, self.b = nn.Linear(WIDTH, out), nn.Linear(WIDTH, 4, bias=False), nn.Linear(4, out)
+        self.out = nn.Linear(out, WIDTH)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(F.gelu(self.base(x) + self.b(self.a(x))))
+        return self.out(F.gelu(self.base(x) + 0.5 * self.b(self.a(x))))
 
 
 @pytest.mark.parametrize("ws", [2, 3, 5])
@@ -67,8 +68,9 @@ def test_narrow_chain_is_whole_at_any_world_size(ws: int) -> None:
             torch.testing.assert_close(out, model(x), atol=2e-5, rtol=1e-5)
 
 
-def test_lora_pair_keeps_its_up_projection_split() -> None:
-    model = LoRA().eval()
+@pytest.mark.parametrize("out", [WIDTH, WIDTH // 2])
+def test_lora_pair_keeps_its_up_projection_split(out: int) -> None:
+    model = LoRA(out).eval()
     with warnings.catch_warnings():
         warnings.simplefilter("error", tpcompile.TPCompileWarning)
         sm = tpcompile.shard(model, 2, example_inputs=(torch.randn(2, 6, WIDTH),))

@@ -74,10 +74,11 @@ def _low_rank(gm: GraphModule, ctx: PassContext) -> tuple[list[tuple[Node, Node]
     is whole.
 
     Chains: a projection to at most 1/8 of its input features whose value flows (as above) only into weight
-    matmuls that give at most half those input features: a few numbers a token projected to a few more, not
-    widened back (Gemma 3n's AltUp: a router of 4 modalities, then 16 and 4 coefficients that weight other
-    activations). Every part is too small to split, and splitting them would cut the coefficients apart:
-    all whole (`low_rank` "narrow").
+    matmuls that give at most half those input features, each output weighting another activation (a factor of
+    a product, `_weights_other`): a few numbers a token projected to a few more coefficients (Gemma 3n's AltUp: a
+    router of 4 modalities, then 16 and 4 coefficients that mix its streams). Every part is too small to split,
+    and splitting them would cut the coefficients apart: all whole (`low_rank` "narrow"). A LoRA pair on a
+    narrow projection (a kv projection half the model's width) is a pair: its B is added to the projection.
     """
     pairs, chains = [], []
     for node in gm.graph.nodes:
@@ -102,7 +103,8 @@ def _low_rank(gm: GraphModule, ctx: PassContext) -> tuple[list[tuple[Node, Node]
                 escapes = True  # the value goes elsewhere too
         if not ends or todo:
             continue
-        if sizes[1] * 8 <= sizes[0] and all(weight_sizes(u, ctx)[1] * 2 <= sizes[0] for u in ends):
+        narrow = [weight_sizes(u, ctx)[1] * 2 <= sizes[0] and _weights_other(u) for u in ends]
+        if sizes[1] * 8 <= sizes[0] and all(narrow):
             chains.append([node, *sorted(ends, key=lambda u: u.name)])
             continue
         up = next(iter(ends)) if len(ends) == 1 else None
@@ -113,6 +115,31 @@ def _low_rank(gm: GraphModule, ctx: PassContext) -> tuple[list[tuple[Node, Node]
         if lora or (normed and up_in <= sizes[1] < up_out):
             pairs.append((node, up))
     return pairs, chains
+
+
+_MIXING = {"aten.mul.Tensor", "aten.matmul.default", "aten.bmm.default", "aten.mm.default", "aten.einsum.default"}
+_CARRY = {"pointwise", "reshape", "transpose", "permute", "expand"}  # a value carried on, by itself or with constants
+
+
+def _weights_other(end: Node) -> bool:
+    """True when the value of weight op `end`, carried on by elementwise ops with constants, reshapes and
+    permutes, meets other activations only as a factor of a product (a matmul of activations, an elementwise
+    product): coefficients weighting them, not a term added to one (LoRA's B added to its base projection)."""
+    region, todo, found = {end}, list(end.users), False
+    while todo and len(region) < 32:
+        u = todo.pop()
+        if u in region or _metadata_read(u):
+            continue
+        others = [i for i in _values_read(u) if i not in region and _tensor(i) and i.op != "get_attr"]
+        spec = lookup(u.target) if u.op == "call_function" else None
+        if not others and spec is not None and spec.rule in _CARRY:
+            region.add(u)
+            todo += list(u.users)
+        elif others and u.op == "call_function" and op_name(u.target) in _MIXING:
+            found = True
+        else:
+            return False
+    return found and not todo
 
 
 def _values_read(node: Node) -> list[Node]:
