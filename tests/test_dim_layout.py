@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tpcompile.layouts import DimLayout, Segment, dim_layout
+from tpcompile.layouts import DimLayout, Segment, dim_layout, within_cut
 from tpcompile.placement import (ParamSlice, local_shape, pad_cuts, piece_cut, piece_shard, rank_pieces, seg_cuts,
                                  slice_placement, slice_shape)
 
@@ -84,7 +84,7 @@ def test_a_value_in_pieces_is_a_cut_with_extents() -> None:
     one = piece_shard(1, 1, 1)  # one kv head every rank holds whole
     assert whole_piece(one, 1) and str(one) == "S(1/1)" and piece_resized(one, 4).cuts == ((0, 4),)
     assert not whole_piece(piece_shard(1, 1, 1, seq=True), 1) and not whole_piece(p, 1)
-    assert str(piece_shard(0, 4, 2, outer=3, split_next=2)) == "S(0x3/2+2)"
+    assert str(piece_shard(0, 4, 2, outer=3, within=within_cut(6, 2))) == "S(0x3/2+2)"
 
 
 def test_a_rules_pieces_take_the_extents_of_the_tensor_they_are_for() -> None:
@@ -114,3 +114,19 @@ def test_a_rules_pieces_take_the_extents_of_the_tensor_they_are_for() -> None:
     assert conformed(rows, Result(folded, [])).out == piece_shard(0, 4, 2, outer=4)
     rows.meta["val"] = torch.empty(12, 5)  # 3 a repetition: not 2 equal pieces, left as the rule gave it
     assert conformed(rows, Result(folded, [])).out is folded
+
+
+def test_the_next_dim_cut_within_pieces_is_a_segment() -> None:
+    """kv heads in 2 pieces at 5 ranks (ranks 0-2 and 3-4), each kv head's group of 3 query heads cut among its
+    ranks: 2 a rank, zero-padded (`within`, read as split_next 3). Every rank's shape carries the padded piece, and
+    merged into one heads dim the cut is the group cut of the heads (ranks 0-2: 2 | 1 | 0 real heads of group 0)."""
+    from tpcompile.sharding_rules.group_cuts import group_cuts, padded_groups
+
+    p = piece_shard(1, 2, 2, within=within_cut(3, 3, per=2))
+    assert p.split_next == 3 and str(p) == "S(1/2+3)" and p.within == Segment(3, (0, 2, 4, 6))
+    assert [local_shape((4, 2, 3, 7), p, r, 5) for r in range(5)] == [(4, 1, 2, 7)] * 5
+    merged = padded_groups(p, (4, 2, 3, 7), 5)
+    assert merged.cuts == group_cuts(2, 3, 1, 3, 5) == ((0, 2, 4, 6, 6, 6), (0, 0, 0, 0, 2, 4))
+    assert [rank_pieces(merged, 6, r, 5) for r in range(5)] == [[(0, 0, 2)], [(2, 0, 1)], [], [(3, 0, 2)], [(5, 0, 1)]]
+    even = piece_shard(1, 2, 2, within=within_cut(4, 2))  # 4 query heads a group at 4 ranks: 2 a rank, no padding
+    assert even.within.cuts == (0, 2, 4) and padded_groups(even, (4, 2, 4, 7), 4) is None

@@ -16,6 +16,7 @@ import tpcompile.ops.rng as rng
 from hybrid_helpers import BATCH, TINY_GPT, batches, loss_fn
 from tpcompile.api import shard_captured
 from tpcompile.capture import Captured, capture
+from tpcompile.layouts import within_cut
 from tpcompile.models import GPT, GPTConfig
 from tpcompile.passes.recompute import checkpoint_selective
 from tpcompile.passes.rewrite_dropout import split_spec
@@ -193,7 +194,7 @@ def test_tokens_heads_kv_pieces_and_rows_tile_the_whole_mask() -> None:
         assert torch.equal(padded[:, :real], whole[:, 2 * r:2 * r + real])
     kv = _mask([4, 2, 6, 5], None, 0, 1, [1, 0, 0, 0], 4)  # (batch, 2 kv heads, 6 repeats, head dim)
     for r in range(4):  # 2 pieces of one kv head, each shared by 2 ranks that split its repeats
-        local = _mask([2, 2, 6, 5], piece_shard(1, 2, 2, split_next=2), r, 4, [1, 0, 0, 0], 2, rows=2)
+        local = _mask([2, 2, 6, 5], piece_shard(1, 2, 2, within=within_cut(6, 2)), r, 4, [1, 0, 0, 0], 2, rows=2)
         assert torch.equal(local, kv[2:, r // 2:r // 2 + 1, 3 * (r % 2):3 * (r % 2) + 3])
 
 

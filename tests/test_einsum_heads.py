@@ -22,6 +22,7 @@ from torch import nn
 
 import tpcompile
 from tpcompile.ops import collectives
+from tpcompile.layouts import within_cut
 from tpcompile.placement import Shard, piece_shard
 from tpcompile.sharding_rules.contract_readers import REFUSED, TAKEN, WANTED
 
@@ -150,7 +151,7 @@ def test_grouped_einsum_splits_the_kv_head_index(ws: int) -> None:
     assert {m: sm.plan.modules[f"blocks.0.attn.{m}"] for m in "qkvo"} == \
         {"q": "column", "k": "column", "v": "column", "o": "row"}
     scores = _einsums(sm)["btkgd,bskd->bkgts"]
-    assert scores == (Shard(1) if ws == 2 else piece_shard(1, 2, 2, split_next=2)), scores
+    assert scores == (Shard(1) if ws == 2 else piece_shard(1, 2, 2, within=within_cut(8, 2))), scores
     assert sm.plan.parameters["blocks.0.attn.k.weight"].pieces == (None if ws == 2 else 2)
 
 

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence, Union
 
 import sympy
 
-from tpcompile.layouts import dim_layout, even_cuts, is_even, token_shares
+from tpcompile.layouts import Segment, dim_layout, even_cuts, holders, is_even, token_shares
 
 Cuts = tuple[tuple[int, ...], ...]  # per segment, the bounds of its pieces (layouts.DimLayout's Segment.cuts)
 
@@ -109,7 +109,7 @@ class Shard(Cut):
     segments: Optional[tuple[int, ...]] = None
     seq: bool = False  # sequence parallel: tokens split outside the tensor-parallel regions
     outer: Optional[object] = None  # the dim is `outer` repetitions of the split blocks (batch x heads)
-    split_next: Optional[int] = None  # with `pieces` (piece_shard): dim+1 is split this many ways within a piece
+    within: Optional[Segment] = None  # with `pieces`: dim+1's cut among each piece's ranks (layouts.within_cut)
     # per segment, the bounds of its pieces in the segment zero-padded to cuts[-1], a segment of g pieces held by
     # the ranks k * ws / g ... (k + 1) * ws / g - 1 (layouts.DimLayout); without segments, a zero-padded split
     # (`padded`); None: every segment split evenly, unpadded (`Cut` reads the kinds)
@@ -134,6 +134,11 @@ class Shard(Cut):
         pad = "" if pads is None else f"~{'+'.join(map(str, pads))}"
         out = "" if self.outer is None else f"x{self.outer}"
         return f"S({self.dim}{seg}{pad}{out}){'seq' if self.seq else ''}"
+
+    @property
+    def split_next(self) -> Optional[int]:
+        """How many ways dim+1 is cut among the ranks holding each piece (`within`), else None."""
+        return None if self.within is None else self.within.pieces
 
     @property
     def plain(self) -> bool:
@@ -247,7 +252,7 @@ def moved(p: Shard, dim: int) -> Shard:
 
 
 def split_dims(p: Shard) -> tuple[int, ...]:
-    """The dims a split cuts: its dim, and the next one too when it is split within each piece (`split_next`)."""
+    """The dims a split cuts: its dim, and the next one too when it is split within each piece (`within`)."""
     return (p.dim, p.dim + 1) if p.split_next else (p.dim,)
 
 
@@ -294,9 +299,9 @@ def local_shape(shape: Sequence[Any], p: Any, rank: int, world_size: int) -> tup
     size = out[p.dim]
     if p.pieces:
         out[p.dim] = size // p.pieces
-        if p.split_next and p.dim + 1 < len(out):  # a group the sharing ranks do not divide: padded, its ceil
-            nxt = out[p.dim + 1]
-            out[p.dim + 1] = -(-nxt // p.split_next) if isinstance(nxt, int) else nxt // p.split_next
+        if p.within is not None and p.dim + 1 < len(out):  # the rank's piece of the next dim, zeros included
+            i = rank % holders(world_size, p.pieces)
+            out[p.dim + 1] = p.within.cuts[i + 1] - p.within.cuts[i]
     elif p.cuts is not None:  # `outer` repetitions of padded heads (batch x heads), or the cut dim once
         out[p.dim] = (1 if p.outer is None else p.outer) * dim_layout(p, None, world_size).local_size(rank)
     elif p.segments and isinstance(size, int):

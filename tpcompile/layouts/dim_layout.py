@@ -100,6 +100,14 @@ def even_cuts(total: int, pieces: int) -> tuple[int, ...]:
     return tuple(i * step for i in range(pieces + 1))
 
 
+def within_cut(size: int, ways: int, per: Optional[int] = None) -> Segment:
+    """A next dim of `size` cut `ways` ways among the ranks holding each piece of a split dim (`Shard.within`, the
+    i-th of them holding piece i): evenly, or `per` each, zero-padded past `size` (a group the sharing ranks do not
+    divide)."""
+    per = size // ways if per is None else per
+    return Segment(int(size), tuple(i * per for i in range(ways + 1)))
+
+
 def is_even(cuts: Sequence[int]) -> bool:
     """True when the pieces of these bounds are all one size."""
     step = cuts[1] - cuts[0] if len(cuts) > 1 else 0

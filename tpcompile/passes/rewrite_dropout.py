@@ -60,9 +60,11 @@ def split_spec(em: Any, placement: Any, shape: Sequence[Any]) -> list:
     if not isinstance(placement, Shard):
         return []
     d, rank, ws = placement.dim, em.rank, em.ws
-    if placement.split_next:  # (piece, part of the next dim): one contiguous run of the two dims merged
-        merged = int(to_size(shape[d])) * int(to_size(shape[d + 1]))
-        return [d, rng.MERGED, rank * merged // ws, int(to_size(shape[d + 1]))]
+    if placement.within is not None:  # a row of dim d, the rank's piece of its dim d+1: one run of the two merged
+        rows, nxt = int(to_size(shape[d])) // placement.pieces, int(to_size(shape[d + 1]))
+        assert rows == 1, f"{placement}: {rows} rows of dim {d} a rank, each cut along dim {d + 1}, are not one run"
+        h = holders(ws, placement.pieces)
+        return [d, rng.MERGED, rank // h * nxt + placement.within.cuts[rank % h], nxt]
     size = sympy.sympify(to_size(shape[d]))
     block = sympy.simplify(size / sympy.sympify(placement.outer)) if placement.outer is not None else size
     if placement.seq or not block.is_number:  # tokens (a run-time size) in their shares, in `outer` blocks

@@ -6,7 +6,7 @@ scores split by heads. Grouped-query attention written over grouped heads views 
 world size divides the kv heads both are split on the kv-head index k and the group index g stays
 whole. With fewer kv heads than ranks, k and v are in pieces (`piece_shard`, n pieces: each kv head held by
 the ranks that share it) and q is split along k in the same pieces and along g within each piece
-(`split_next`), so every rank keeps its own query heads; the output carries both. One kv head for all
+(`Shard.within`), so every rank keeps its own query heads; the output carries both. One kv head for all
 (multi-query, one piece) is whole on every rank, and the split is q's (its group index).
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Optional
 
 from torch.fx import Node
 
+from tpcompile.layouts import Segment
 from tpcompile.placement import REPLICATE, Shard, moved
 from tpcompile.sharding_rules.registry import rule
 from tpcompile.sharding_rules.rule_context import Result, RuleContext, Want
@@ -48,13 +49,13 @@ def einsum(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     letters = {t[p.dim] for t, p in split}
     if len(letters) != 1 or len({(p.segments, p.padding, p.pieces, p.outer) for _, p in split}) != 1:
         return Result(REPLICATE, whole, conflict="einsum operands sharded on different indices")
-    letter, like = letters.pop(), replace(split[0][1], split_next=None)
+    letter, like = letters.pop(), replace(split[0][1], within=None)
     if letter not in out:
         return Result(REPLICATE, whole, conflict=f"einsum sums over the sharded index {letter!r}")
     nxt, why = _split_next(split, terms, operands, out, letter, ctx)
     if why:
         return Result(REPLICATE, whole, conflict=why)
-    target = replace(moved(like, out.index(letter)), split_next=nxt[1] if nxt else None)
+    target = replace(moved(like, out.index(letter)), within=nxt[1] if nxt else None)
     wants = []
     for n, term in zip(operands, terms):
         p = ctx.placement(n)
@@ -62,17 +63,17 @@ def einsum(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
             wants.append(Want(n, p) if isinstance(p, Shard) and p.pieces == 1 else ctx.replicated_want(n, target))
         elif isinstance(p, Shard) or ctx.shape(n)[term.index(letter)] != 1:
             grouped = nxt is not None and nxt[0] in term
-            wants.append(Want(n, replace(moved(like, term.index(letter)), split_next=nxt[1] if grouped else None)))
+            wants.append(Want(n, replace(moved(like, term.index(letter)), within=nxt[1] if grouped else None)))
         else:
             wants.append(ctx.replicated_want(n, target))
     return Result(target, wants)
 
 
 def _split_next(split: list, terms: list[str], operands: list[Node], out: str, letter: str,
-                ctx: RuleContext) -> tuple[Optional[tuple[str, int]], Optional[str]]:
-    """(the index split within each piece, how many ways) when an operand has one (grouped heads at more ranks
-    than kv heads), and why the op cannot keep it, if it cannot."""
-    found = {(t[p.dim + 1] if p.dim + 1 < len(t) else "", p.split_next) for t, p in split if p.split_next}
+                ctx: RuleContext) -> tuple[Optional[tuple[str, Segment]], Optional[str]]:
+    """(the index cut within each piece, its cut: `Shard.within`) when an operand has one (grouped heads at more
+    ranks than kv heads), and why the op cannot keep it, if it cannot."""
+    found = {(t[p.dim + 1] if p.dim + 1 < len(t) else "", p.within) for t, p in split if p.within is not None}
     if not found:
         return None, None
     if len(found) > 1 or "" in {g for g, _ in found}:
@@ -81,8 +82,8 @@ def _split_next(split: list, terms: list[str], operands: list[Node], out: str, l
     for n, term in zip(operands, terms):
         p = ctx.placement(n)
         if g in term and (letter not in term or term.index(g) != term.index(letter) + 1
-                          or not isinstance(p, Shard) or p.split_next != f):
-            return None, f"einsum operand {n.name} holds the index {g!r} whole, which another splits {f} ways"
+                          or not isinstance(p, Shard) or p.within != f):
+            return None, f"einsum operand {n.name} holds the index {g!r} whole, which another splits {f.pieces} ways"
     if g not in out or out.index(g) != out.index(letter) + 1:
         return None, f"einsum sums over or moves the index {g!r} that is split within each piece"
     return (g, f), None

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional, Sequence
 
-from tpcompile.layouts import dim_layout, holder_runs, holders
+from tpcompile.layouts import dim_layout, holder_runs, holders, within_cut
 from tpcompile.placement import Cuts, Shard
 from tpcompile.sharding_rules.rule_context import Size, prod, sizes_equal
 
@@ -44,19 +44,27 @@ def even_within(units: int, share: int, groups: int, world_size: int) -> bool:
 def expand_within(p: Shard, out: Shard, ins: Sequence[Size], outs: Sequence[Size], pad_within: bool,
                   ws: int) -> tuple[Shard, list]:
     """An expand's output split `out` and its sizes to localize: a dim of 1 right after kv heads in pieces,
-    broadcast to a group, is split within each piece (`split_next`) where the group splits evenly among the ranks
+    broadcast to a group, is cut within each piece (`Shard.within`) where the group splits evenly among the ranks
     holding each piece, or, for repeats marked `pad_within`, `per_rank` a rank, zero-padded."""
     nxt = p.dim + 1
     share = holders(ws, p.pieces) if p.pieces else None
-    if share and p.split_next is None and nxt < len(ins) and ins[nxt] == 1 and isinstance(outs[out.dim + 1], int) \
-            and (even_within(outs[out.dim + 1], share, p.pieces, ws) or pad_within and p.pieces == ins[p.dim]):
-        out = replace(out, split_next=share)
-    loc = [("shape", 1, out.dim, out.pieces)]
-    if out.split_next:
+    if share and p.within is None and nxt < len(ins) and ins[nxt] == 1 and isinstance(outs[out.dim + 1], int):
         group = outs[out.dim + 1]
-        loc.append(("shape", 1, out.dim + 1, out.split_next) if even_within(group, share, p.pieces, ws)
-                   else ("shape_set", 1, (out.dim + 1, per_rank(group, p.pieces, ws)), None))
+        if even_within(group, share, p.pieces, ws):
+            out = replace(out, within=within_cut(group, share))
+        elif pad_within and p.pieces == ins[p.dim]:
+            out = replace(out, within=within_cut(group, share, per_rank(group, p.pieces, ws)))
+    loc = [("shape", 1, out.dim, out.pieces)]
+    if out.within is not None:
+        loc.append(within_size(out, 1, out.dim + 1))
     return out, loc
+
+
+def within_size(p: Shard, arg: int, dim: int) -> tuple:
+    """How a size literal (argument `arg`, position `dim`) of the dim cut within pieces (`Shard.within`) is made
+    this rank's: divided by the pieces when they cut it evenly, else set to a piece's size, its zeros included."""
+    cut = p.within
+    return ("shape", arg, dim, cut.pieces) if cut.cuts[-1] == cut.size else ("shape_set", arg, (dim, cut.cuts[1]), None)
 
 
 def padded_groups(p: Shard, ins: Sequence[Size], ws: int) -> Optional[Shard]:
@@ -66,7 +74,11 @@ def padded_groups(p: Shard, ins: Sequence[Size], ws: int) -> Optional[Shard]:
     if not isinstance(kv, int) or not isinstance(group, int) or p.pieces != kv \
             or even_within(group, p.split_next, kv, ws):
         return None
-    return Shard(p.dim, (group,) * kv, cuts=group_cuts(kv, group, 1, p.split_next, ws))
+    cuts = []  # segment k: the pieces of `within` on the ranks holding kv head k, nothing on the others
+    for run in holder_runs(ws, kv):
+        sizes = [p.within.cuts[r - run.start + 1] - p.within.cuts[r - run.start] if r in run else 0 for r in range(ws)]
+        cuts.append(tuple(sum(sizes[:r]) for r in range(ws + 1)))
+    return Shard(p.dim, (group,) * kv, cuts=tuple(cuts))
 
 
 def cuts_reshape(p: Shard, gi: list, gj: list, ins: Sequence[Size], outs: Sequence[Size]) -> tuple:

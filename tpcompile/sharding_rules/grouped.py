@@ -3,7 +3,7 @@
 Grouped-query attention written over grouped heads views q, split like any column projection, as
 (B, T, kv heads, group, head_dim). With fewer kv heads than ranks no dim of that view holds whole blocks
 of the split, but the kv-head dim in `pieces` (each kv head held by world_size / kv heads ranks) with the
-group dim split within each piece (`split_next`) is exactly each rank's contiguous block, so every rank
+group dim split within each piece (`Shard.within`) is exactly each rank's contiguous block, so every rank
 keeps its own query heads, and the kv heads line up with k and v held in the same pieces. head_dim, the
 last dim, is never the one split within a piece; a view whose group dim a later op cuts (Falcon's
 (kv heads, group + 2, head_dim) view of q|k|v, sliced into q, k and v along it) is not grouped this way.
@@ -14,6 +14,7 @@ from typing import Callable, Optional, Sequence
 
 from torch.fx import Node
 
+from tpcompile.layouts import within_cut
 from tpcompile.placement import Shard, moved, piece_shard
 from tpcompile.sharding_rules.rule_context import RuleContext, Size, norm_dim, readers, sizes_equal
 from tpcompile.sharding_rules.shared_pieces import piece_resized
@@ -22,7 +23,7 @@ from tpcompile.sharding_rules.table import lookup
 
 def grouped(p: Shard, one: list, m: Size, pre: Size, count: Size, outs_g: list, u: int, ws: int) -> Optional[Shard]:
     """A plain split of one dim viewed as (a, b, ..., inner) with fewer entries `a` than ranks: `a` pieces, each
-    split `ws / a` ways along b (`split_next`), so every rank keeps its own contiguous block. Grouped-query
+    split `ws / a` ways along b (`Shard.within`), so every rank keeps its own contiguous block. Grouped-query
     heads viewed as (kv heads, group, head_dim) at more ranks than kv heads; the last dim (head_dim) is never
     the one split within a piece."""
     size = outs_g[u]
@@ -31,7 +32,7 @@ def grouped(p: Shard, one: list, m: Size, pre: Size, count: Size, outs_g: list, 
     nxt = outs_g[u + 1]
     if not isinstance(size, int) or not isinstance(nxt, int) or not 1 < size < ws or ws % size or nxt % (ws // size):
         return None
-    return piece_shard(0, size, size, split_next=ws // size)
+    return piece_shard(0, size, size, within=within_cut(nxt, ws // size))
 
 
 def regroup(p: Shard, ins: Sequence[Size], outs: Sequence[Size], ws: int, reshape_placement: Callable) -> Optional[int]:

@@ -9,7 +9,8 @@ import torch
 from torch.fx import Node
 
 from tpcompile.placement import REPLICATE, Replicate, Shard, moved, piece_shard, segmented, shard, split_dims
-from tpcompile.sharding_rules.group_cuts import cuts_local, cuts_reshape, expand_within, inferred, padded_groups
+from tpcompile.sharding_rules.group_cuts import cuts_local, cuts_reshape, expand_within, inferred, padded_groups, \
+    within_size
 from tpcompile.sharding_rules.grouped import cut_later, grouped, on_one, regroup
 from tpcompile.sharding_rules.padded import padded_reshape, split_cut_segments
 from tpcompile.sharding_rules.registry import rule
@@ -197,8 +198,8 @@ def reshape(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
         if 0 <= out.dim - first < len(node.args[spec.get("sizes_arg")]):
             res.localize = [("shape", spec.get("sizes_arg"), out.dim - first, out.pieces)] if not out.rank_cuts else \
                 [("shape_set", spec.get("sizes_arg"), (out.dim - first, cut), None)]
-    if res.localize and out.split_next and res.localize[0][0] == "shape":  # the next dim, split within a piece
-        res.localize.append(("shape", res.localize[0][1], res.localize[0][2] + 1, out.split_next))
+    if res.localize and out.within is not None and res.localize[0][0] == "shape":  # the next dim, cut in a piece
+        res.localize.append(within_size(out, res.localize[0][1], res.localize[0][2] + 1))
     return res
 
 

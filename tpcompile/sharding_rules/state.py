@@ -56,7 +56,7 @@ def write_into(node: Node, spec: RuleSpec, ctx: RuleContext) -> Result:
     i = spec.get("dim_arg")
     if i is not None and norm_dim(node.args[i], len(dshape)) == ps.dim:
         return _fail(node, tensors, f"writes along the split dim {ps.dim} of {dst.name}")
-    target = replace(ps, split_next=None)
+    target = replace(ps, within=None)
     root = _buffer_under(dst, target.dim, ctx)
     if root is None and pd != target:
         return _fail(node, tensors, f"writes a {target} value into {dst.name} in place, which is {pd}")
