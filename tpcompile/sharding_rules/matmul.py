@@ -164,7 +164,7 @@ def _keep_whole(spec: RuleSpec) -> Optional[str]:
     if spec.get("embedding_projection"):
         return "embedding projection: whole on every rank (its output is the residual stream the layers read whole)"
     if spec.get("low_rank") == "narrow":
-        return "narrow projection: whole on every rank (a low-rank pair whose up-projection does not widen back)"
+        return "narrow projection: whole on every rank (a narrow value, or coefficients from it that weight others)"
     if spec.get("low_rank") == "down":
         return "low-rank down-projection: whole on every rank (its up-projection is split instead)"
     partner = spec.get("low_rank_from")
