@@ -74,11 +74,7 @@ def padded_groups(p: Shard, ins: Sequence[Size], ws: int) -> Optional[Shard]:
     if not isinstance(kv, int) or not isinstance(group, int) or p.pieces != kv \
             or even_within(group, p.split_next, kv, ws):
         return None
-    cuts = []  # segment k: the pieces of `within` on the ranks holding kv head k, nothing on the others
-    for run in holder_runs(ws, kv):
-        sizes = [p.within.cuts[r - run.start + 1] - p.within.cuts[r - run.start] if r in run else 0 for r in range(ws)]
-        cuts.append(tuple(sum(sizes[:r]) for r in range(ws + 1)))
-    return Shard(p.dim, (group,) * kv, cuts=tuple(cuts))
+    return Shard(p.dim, (group,) * kv, cuts=group_cuts(kv, group, 1, p.split_next, ws))
 
 
 def cuts_reshape(p: Shard, gi: list, gj: list, ins: Sequence[Size], outs: Sequence[Size]) -> tuple:
