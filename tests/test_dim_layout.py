@@ -130,3 +130,30 @@ def test_the_next_dim_cut_within_pieces_is_a_segment() -> None:
     assert [rank_pieces(merged, 6, r, 5) for r in range(5)] == [[(0, 0, 2)], [(2, 0, 1)], [], [(3, 0, 2)], [(5, 0, 1)]]
     even = piece_shard(1, 2, 2, within=within_cut(4, 2))  # 4 query heads a group at 4 ranks: 2 a rank, no padding
     assert even.within.cuts == (0, 2, 4) and padded_groups(even, (4, 2, 4, 7), 4) is None
+
+
+def test_repetitions_and_the_next_dims_cut_are_part_of_the_value() -> None:
+    """A dim of batch x heads (`outer`, a run-time size) is the heads' layout repeated: the layout of one block, the
+    count, and the dim's size on a rank; with a known count, the repetitions spelled out as segments hold the same;
+    the next dim's cut within the pieces is the value's too, the i-th rank of each piece's run holding piece i."""
+    import sympy
+
+    from tpcompile.layouts import block_of
+    from tpcompile.placement import Shard
+
+    b = sympy.Symbol("s0", positive=True, integer=True)
+    p = Shard(0, cuts=pad_cuts(8, 4), outer=b)  # 5 heads zero-padded to 8 at 4 ranks, in each of b blocks
+    layout = dim_layout(p, 5 * b, 4)
+    assert layout.repeat == b and layout.block == 5 and layout.segments == (Segment(5, (0, 2, 4, 6, 8)),)
+    assert [n for _, _, n, _ in layout.runs(3)] == [0] and layout.local_size(3) == 2
+    assert [layout.local_extent(r) for r in range(4)] == [2 * b] * 4
+    assert local_shape((5 * b, 7), p, 3, 4) == (2 * b, 7)
+    assert block_of(4 * b, b) == 4 and block_of(12, 3) == 4 and block_of(4 * b, None) == 4 * b
+    with pytest.raises(AssertionError, match="not 5 repetitions"):
+        block_of(12, 5)
+    known = dim_layout(Shard(0, outer=3), 12, 2)  # 3 blocks of 4 split at 2 ranks: 3 segments of 4 alike
+    assert known.spelled() == dim_layout(ParamSlice(0, (4, 4, 4)), 12, 2)
+    assert [known.local_extent(r) for r in range(2)] == [6, 6]
+    pieces = dim_layout(piece_shard(1, 2, 2, within=within_cut(3, 3, per=2)), None, 5)
+    assert [pieces.within_run(r) for r in range(5)] == [(0, 2), (2, 2), (4, 2), (0, 2), (2, 2)]
+    assert pieces.spelled() is None and dim_layout(piece_cut(0, 8, 2), 8, 4).repeat == 1

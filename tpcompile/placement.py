@@ -10,9 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence, Union
 
-import sympy
-
-from tpcompile.layouts import Segment, dim_layout, even_cuts, holders, is_even, token_shares
+from tpcompile.layouts import Segment, block_of, dim_layout, even_cuts, is_even, token_shares
 
 Cuts = tuple[tuple[int, ...], ...]  # per segment, the bounds of its pieces (layouts.DimLayout's Segment.cuts)
 
@@ -103,12 +101,14 @@ class ParamSlice(Cut):
 
 @dataclass(frozen=True)
 class Shard(Cut):
-    """Each rank holds its piece of dimension `dim`: 1/world_size of it, or of every segment when segmented."""
+    """Each rank holds its piece of dimension `dim`: 1/world_size of it, or of every segment when segmented. The
+    fields but `dim` and `seq` spell one `layouts.DimLayout` (`dim_layout` reads them): its segments and their cuts,
+    its repetitions (`outer`) and the next dim's cut (`within`)."""
 
     dim: int
     segments: Optional[tuple[int, ...]] = None
     seq: bool = False  # sequence parallel: tokens split outside the tensor-parallel regions
-    outer: Optional[object] = None  # the dim is `outer` repetitions of the split blocks (batch x heads)
+    outer: Optional[object] = None  # the dim is `outer` repetitions of the split blocks (batch x heads): `repeat`
     within: Optional[Segment] = None  # with `pieces`: dim+1's cut among each piece's ranks (layouts.within_cut)
     # per segment, the bounds of its pieces in the segment zero-padded to cuts[-1], a segment of g pieces held by
     # the ranks k * ws / g ... (k + 1) * ws / g - 1 (layouts.DimLayout); without segments, a zero-padded split
@@ -300,14 +300,13 @@ def local_shape(shape: Sequence[Any], p: Any, rank: int, world_size: int) -> tup
     if p.pieces:
         out[p.dim] = size // p.pieces
         if p.within is not None and p.dim + 1 < len(out):  # the rank's piece of the next dim, zeros included
-            i = rank % holders(world_size, p.pieces)
-            out[p.dim + 1] = p.within.cuts[i + 1] - p.within.cuts[i]
+            out[p.dim + 1] = dim_layout(p, None, world_size).within_run(rank)[1]
     elif p.cuts is not None:  # `outer` repetitions of padded heads (batch x heads), or the cut dim once
-        out[p.dim] = (1 if p.outer is None else p.outer) * dim_layout(p, None, world_size).local_size(rank)
+        out[p.dim] = dim_layout(p, None, world_size).local_extent(rank)
     elif p.segments and isinstance(size, int):
         out[p.dim] = dim_layout(p, size, world_size).local_size(rank)
     elif p.seq:  # this rank's share of every sequence's tokens (`outer` sequences flattened with them), k entries each
-        tokens, k = token_shares.tokens_of(size if p.outer is None else sympy.simplify(sympy.sympify(size) / p.outer))
+        tokens, k = token_shares.tokens_of(block_of(size, p.outer))
         out[p.dim] = token_shares.share(tokens, rank, world_size) * k * (1 if p.outer is None else p.outer)
     else:
         out[p.dim] = size // world_size

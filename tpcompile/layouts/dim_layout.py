@@ -3,14 +3,18 @@
 A fused q|k|v projection is three segments; a zero-padded vocabulary one segment whose cuts run past its
 size (the zeros); kv heads fewer than ranks a segment of fewer pieces than ranks, piece k held by the ranks
 k * h ... (k + 1) * h - 1, h = ceil(world_size / pieces) (`holders`: 2 kv heads at 5 ranks are held by ranks
-0-2 and 3-4). The placement fields (`segments` and
-their `cuts`) are read in one place, `dim_layout`; the arithmetic on what a rank
-holds (`DimLayout.runs`, `DimLayout.local_size`) is done once, here, on this value.
+0-2 and 3-4); heads folded with the batch the segments repeated (`repeat`, a count often known only at run
+time); grouped query heads cut among the ranks sharing a kv head the next dim's own cut (`within`). The
+placement fields (`segments`, their `cuts`, `outer` and `within`) are read in one place, `dim_layout`; the
+arithmetic on what a rank holds (`DimLayout.runs`, `DimLayout.local_size`, `DimLayout.local_extent`,
+`DimLayout.within_run`) is done once, here, on this value.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
+
+import sympy
 
 from tpcompile.layouts import token_shares
 
@@ -29,10 +33,20 @@ class Segment:
 
 @dataclass(frozen=True)
 class DimLayout:
-    """The segments of one dim, in order, and the world size their pieces are bound to."""
+    """The segments of one dim, in order, and the world size their pieces are bound to: the dim is `repeat`
+    repetitions of them (one: the segments are the dim; more: batch x heads, each repetition cut alike), and
+    `within`, when set, cuts the next dim among the ranks holding each piece (the i-th of them holding its piece
+    i). `runs`, `blocks`, `owned` and `local_size` are of one repetition; `local_extent` of the whole dim."""
 
     world_size: int
     segments: tuple[Segment, ...]
+    repeat: Any = 1
+    within: Optional[Segment] = None
+
+    @property
+    def block(self) -> Any:
+        """One repetition's size: the segments' real elements."""
+        return sum(seg.size for seg in self.segments)
 
     def piece(self, seg: Segment, rank: int) -> int:
         """The piece of `seg` that `rank` holds."""
@@ -72,8 +86,26 @@ class DimLayout:
         return all(seg.pieces == self.world_size for seg in self.segments)
 
     def local_size(self, rank: int) -> int:
-        """The dim's size on `rank`, its zero padding included."""
+        """One repetition's size on `rank`, its zero padding included (the dim's, unrepeated)."""
         return sum(seg.cuts[self.piece(seg, rank) + 1] - seg.cuts[self.piece(seg, rank)] for seg in self.segments)
+
+    def local_extent(self, rank: int) -> Any:
+        """The dim's size on `rank`: `repeat` times one repetition's (possibly a run-time size)."""
+        local = self.local_size(rank)
+        return local if self.repeat == 1 else self.repeat * local
+
+    def within_run(self, rank: int) -> tuple[int, int]:
+        """(start, size) of the next dim's piece that `rank` holds (`within`), zero padding included: the i-th rank
+        of its piece's run holds piece i."""
+        assert self.within is not None, "the next dim is not cut within the pieces"
+        i = rank % holders(self.world_size, self.segments[0].pieces)
+        return self.within.cuts[i], self.within.cuts[i + 1] - self.within.cuts[i]
+
+    def spelled(self) -> Optional[DimLayout]:
+        """The same holdings with the repetitions spelled out as segments (a known count), else None."""
+        if not isinstance(self.repeat, int) or self.within is not None:
+            return None
+        return DimLayout(self.world_size, self.segments * self.repeat)
 
 
 def holders(world_size: int, pieces: int) -> int:
@@ -114,10 +146,29 @@ def is_even(cuts: Sequence[int]) -> bool:
     return all(b - a == step for a, b in zip(cuts, cuts[1:]))
 
 
-def dim_layout(p: Any, full: Optional[int], world_size: int) -> DimLayout:
+def block_of(size: Any, repeat: Any) -> Any:
+    """One of `repeat` repetitions of a dim of `size` (None or 1: the dim): an int when the quotient is a number."""
+    if repeat is None or repeat == 1:
+        return size
+    if isinstance(size, int) and isinstance(repeat, int):
+        assert size % repeat == 0, f"a dim of {size} is not {repeat} repetitions of one block"
+        return size // repeat
+    block = sympy.simplify(sympy.sympify(size) / sympy.sympify(repeat))
+    return int(block) if block.is_Integer else block
+
+
+def dim_layout(p: Any, full: Optional[Any], world_size: int, repeat: Any = None) -> DimLayout:
     """The layout of a split dim of size `full` (None: not known, a padded split's padding gives the sizes) that a
     ParamSlice or Shard `p` describes (its `segments` and their `cuts`, pieces included, the cuts of a padded dim, or a
-    token split's shares)."""
+    token split's shares; a Shard's `outer` repetitions of them, `full` counting every repetition, and the next dim's
+    cut `within` its pieces). `repeat`: the value of a run-time `outer` where it is known (a checker's example)."""
+    repeat, within = repeat or getattr(p, "outer", None) or 1, getattr(p, "within", None)
+    inner = _segments(p, None if full is None else block_of(full, repeat), world_size)
+    return inner if repeat == 1 and within is None else DimLayout(world_size, inner.segments, repeat, within)
+
+
+def _segments(p: Any, full: Optional[int], world_size: int) -> DimLayout:
+    """One repetition of `p`'s layout, of size `full`."""
     if p.pieces and full is not None and getattr(p, "seq", False):  # pieces of tokens: a token split's shares
         return _tokens(full, world_size)
     if p.cuts is not None:  # explicit: segment k cut at p.cuts[k]; without segments, the dim cut past its size
@@ -149,7 +200,7 @@ def same_holdings(p: Any, q: Any, full: Any, world_size: int) -> bool:
 def _holdings(p: Any, full: Any, world_size: int) -> Optional[DimLayout]:
     """p's layout of a dim of `full` elements with its outer repetitions spelled out; None when p does not lay out
     such a dim (a size the ranks do not divide, pieces, tokens)."""
-    if not isinstance(full, int) or p.pieces is not None or getattr(p, "split_next", None) or p.seq:
+    if not isinstance(full, int) or p.pieces is not None or getattr(p, "within", None) is not None or p.seq:
         return None
     outer = p.outer or 1
     if not isinstance(outer, int) or (outer > 1 and p.segments is not None) or full % outer:
@@ -157,5 +208,4 @@ def _holdings(p: Any, full: Any, world_size: int) -> Optional[DimLayout]:
     segs = p.segments or (full // outer,)
     if p.cuts is None and any(s % world_size for s in segs) or sum(segs) != full // outer:
         return None
-    inner = dim_layout(replace(p, outer=None), full // outer, world_size)
-    return DimLayout(world_size, inner.segments * outer)
+    return dim_layout(p, full, world_size).spelled()

@@ -16,7 +16,7 @@ import torch
 from torch.fx import Node
 
 import tpcompile.ops.rng as rng
-from tpcompile.layouts import dim_layout, holders
+from tpcompile.layouts import block_of, dim_layout, holders
 from tpcompile.passes.rewrite_sizes import size_node
 from tpcompile.passes.rewrite_tokens import token_total
 from tpcompile.placement import REPLICATE, Shard, segment_ranges
@@ -63,10 +63,9 @@ def split_spec(em: Any, placement: Any, shape: Sequence[Any]) -> list:
     if placement.within is not None:  # a row of dim d, the rank's piece of its dim d+1: one run of the two merged
         rows, nxt = int(to_size(shape[d])) // placement.pieces, int(to_size(shape[d + 1]))
         assert rows == 1, f"{placement}: {rows} rows of dim {d} a rank, each cut along dim {d + 1}, are not one run"
-        h = holders(ws, placement.pieces)
-        return [d, rng.MERGED, rank // h * nxt + placement.within.cuts[rank % h], nxt]
-    size = sympy.sympify(to_size(shape[d]))
-    block = sympy.simplify(size / sympy.sympify(placement.outer)) if placement.outer is not None else size
+        layout = dim_layout(placement, None, ws)
+        return [d, rng.MERGED, layout.piece(layout.segments[0], rank) * nxt + layout.within_run(rank)[0], nxt]
+    block = sympy.sympify(block_of(to_size(shape[d]), placement.outer))
     if placement.seq or not block.is_number:  # tokens (a run-time size) in their shares, in `outer` blocks
         reps = 1 if placement.outer is None else size_node(em, placement.outer)
         found = token_total(em, shape[d], placement) if placement.seq else None

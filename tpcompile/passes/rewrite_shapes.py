@@ -9,6 +9,7 @@ from typing import Any, Sequence
 import torch
 from torch.fx import Node
 
+from tpcompile.layouts import dim_layout
 from tpcompile.passes.rewrite_sizes import size_node
 from tpcompile.passes.rewrite_tokens import local_flat_tokens, local_tokens
 from tpcompile.placement import Shard, is_seq
@@ -33,7 +34,7 @@ def _localize_one(em: Any, node: Node, args: list, kind: str, i: int, pos: int, 
                 and (isinstance(sizes[pos], Node) or sizes[pos] != -1):  # batch x padded heads: outer x local heads
             with em.graph.inserting_before(node):
                 outer = size_node(em, p.outer)
-                per = p.padded // ws
+                per = dim_layout(p, None, ws).local_size(em.rank)
                 sizes[pos] = outer * per if isinstance(outer, int) else em.call(operator.mul, outer, per)
         elif is_seq(p) and ws == em.ws and (isinstance(sizes[pos], Node) or sizes[pos] != -1):
             # this rank's share of the tokens (layouts/token_shares.py); of B sequences' flattened: B times it

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import sympy
 import torch
 from torch.fx import Node
 
@@ -39,25 +38,19 @@ def local_slice(em: Any, src: Node, node: Node, p: Shard, sync: bool = True, pie
         return em.call(aten.narrow.default, src, p.dim, em.rank % (em.ws // piece.pieces) * n, n)
     if sync and (val.is_floating_point() or val.is_complex()):
         src = em.call(tp.grad_all_reduce.default, src, em.plan.group)
-    size = to_size(val.shape[p.dim])
-    if p.outer is not None and p.padded is not None:  # (outer * heads, ...): the rank's padded block of each
-        block = int(sympy.simplify(sympy.sympify(size) / sympy.sympify(p.outer)))
-        x = em.call(aten.unflatten.int, src, p.dim, [-1, block])
-        runs = dim_layout(p, block, em.ws).runs(em.rank)
-        x = _blocks(em, x, p.dim + 1, val.dim() + 1, [(start, n, blk) for start, _, n, blk in runs])
-        return em.call(aten.flatten.using_ints, x, p.dim, p.dim + 1)
-    if p.padded is not None or p.rank_cuts or p.seg_padded:  # this rank's piece of each segment, or its block of
-        runs = dim_layout(p, int(size), em.ws).runs(em.rank)  # the padded dim, its padding zeros (empty past the end)
-        return _blocks(em, src, p.dim, val.dim(), [(start, n, block) for start, _, n, block in runs])
-    dim, x = p.dim, src
-    block = int(sympy.simplify(sympy.sympify(size) / sympy.sympify(p.outer))) if p.outer is not None else int(size)
-    if p.outer is not None:  # (outer * block, ...) -> (outer, block, ...): the runs repeat in every block
-        x = em.call(aten.unflatten.int, x, dim, [-1, block])
+    layout = dim_layout(p, to_size(val.shape[p.dim]), em.ws)
+    dim, x, repeated = p.dim, src, layout.repeat != 1
+    if repeated:  # (outer * block, ...) -> (outer, block, ...): the runs repeat in every block
+        x = em.call(aten.unflatten.int, x, dim, [-1, int(layout.block)])
         dim += 1
-    runs = [em.call(aten.narrow.default, x, dim, a, b - a)  # (in pieces: the one of the ranks sharing it)
-            for a, b in dim_layout(p, block, em.ws).blocks(em.rank)]
-    x = runs[0] if len(runs) == 1 else em.call(aten.cat.default, runs, dim)
-    return em.call(aten.flatten.using_ints, x, dim - 1, dim) if p.outer is not None else x
+    if p.padded is not None or p.rank_cuts or p.seg_padded:  # this rank's piece of each segment, or its block of
+        runs = layout.runs(em.rank)  # the padded dim, its padding zeros (empty past the end)
+        x = _blocks(em, x, dim, val.dim() + repeated, [(start, n, block) for start, _, n, block in runs])
+    else:
+        runs = [em.call(aten.narrow.default, x, dim, a, b - a)  # (in pieces: the one of the ranks sharing it)
+                for a, b in layout.blocks(em.rank)]
+        x = runs[0] if len(runs) == 1 else em.call(aten.cat.default, runs, dim)
+    return em.call(aten.flatten.using_ints, x, dim - 1, dim) if repeated else x
 
 
 def zero_padding(em: Any, src: Node, x: Node, *, proven: bool = True) -> Node:

@@ -12,11 +12,10 @@ from __future__ import annotations
 import operator
 from typing import Any, Optional
 
-import sympy
 import torch
 from torch.fx import Node
 
-from tpcompile.layouts import token_shares
+from tpcompile.layouts import block_of, token_shares
 from tpcompile.passes.rewrite_sizes import learn_size, size_node, size_op
 from tpcompile.placement import Shard, is_seq
 from tpcompile.sharding_rules.rule_context import to_size
@@ -27,10 +26,7 @@ tp = torch.ops.tpcompile
 
 def _tokens(dim_size: Any, p: Shard) -> tuple[Any, int]:
     """(tokens of one sequence, entries per token) of a dim of `dim_size` token-split as `p`, as sizes."""
-    size = to_size(dim_size)
-    if p.outer is not None:
-        size = sympy.simplify(sympy.sympify(size) / sympy.sympify(p.outer))
-    return token_shares.tokens_of(size)
+    return token_shares.tokens_of(block_of(to_size(dim_size), p.outer))
 
 
 def token_total(em: Any, dim_size: Any, p: Shard) -> Optional[tuple[Any, int]]:
@@ -88,7 +84,7 @@ def _flat(em: Any, x: Node, p: Shard, inner: int) -> Node:
 def _tokens_shape(node: Node, p: Shard, rank_tokens: bool, ws: int) -> tuple:
     """The (B, T, k, ...) view's shape, the tokens as an even share on a rank (alike on every rank)."""
     shape = [to_size(s) for s in node.meta["val"].shape]
-    tokens, inner = token_shares.tokens_of(sympy.simplify(sympy.sympify(shape[p.dim]) / sympy.sympify(p.outer)))
+    tokens, inner = token_shares.tokens_of(block_of(shape[p.dim], p.outer))
     shape[p.dim:p.dim + 1] = [p.outer, tokens // ws if rank_tokens else tokens] + ([inner] if inner > 1 else [])
     return tuple(str(s) for s in shape)
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.fx import Node
 
-from tpcompile.layouts import dim_layout
+from tpcompile.layouts import block_of, dim_layout
 from tpcompile.placement import Placement, Shard, segment_ranges
 
 _MAX_ELEMENTS = 1 << 20
@@ -31,13 +31,14 @@ def _example(shape: Sequence[int], dtype: torch.dtype, gen: torch.Generator, dev
 
 def positions(p: Shard, size: int, rank: int, ws: int, outer: int = 1) -> list[int]:
     """The indices along p.dim that `rank` holds of a dim of `size` split as `p` (`outer`: p.outer's value)."""
-    block = size // outer  # in pieces: the one of the ranks sharing it, in every repetition; segments each padded:
-    # the rank's block of each, in the dim's padded positions (asked at the padded size)
+    block = block_of(size, outer)  # in pieces: the one of the ranks sharing it, in every repetition; segments each
+    # padded: the rank's block of each, in the dim's padded positions (asked at the padded size)
     if p.seg_padded:
         runs = dim_layout(p, None, ws).blocks(rank)
+    elif p.pieces or p.seq:
+        runs = dim_layout(p, size, ws, repeat=outer).blocks(rank)
     else:
-        runs = dim_layout(p, block, ws).blocks(rank) if p.pieces or p.seq else segment_ranges(block, p.segments, rank,
-                                                                                             ws)
+        runs = segment_ranges(block, p.segments, rank, ws)
     return [b * block + i for b in range(outer) for start, stop in runs for i in range(start, stop)]
 
 
