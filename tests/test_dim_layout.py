@@ -3,10 +3,11 @@ extents), what each rank holds of it, and that the ranks' real parts tile the di
 from __future__ import annotations
 
 import pytest
+import sympy
 
-from tpcompile.layouts import DimLayout, Segment, dim_layout, within_cut
-from tpcompile.placement import (ParamSlice, local_shape, pad_cuts, piece_cut, piece_shard, rank_pieces, seg_cuts,
-                                 slice_placement, slice_shape)
+from tpcompile.layouts import DimLayout, Segment, block_of, dim_layout, within_cut
+from tpcompile.placement import (ParamSlice, Shard, local_shape, pad_cuts, piece_cut, piece_shard, rank_pieces,
+                                 seg_cuts, slice_placement, slice_shape)
 
 CASES = {  # name -> (placement, dim size, world size, rank, expected runs, expected local size)
     "fused q|k|v": (ParamSlice(0, (8, 8, 8)), 24, 2, 1, [(4, 0, 4, 4), (12, 4, 4, 4), (20, 8, 4, 4)], 12),
@@ -71,7 +72,7 @@ def test_a_piece_count_must_leave_no_piece_without_a_rank() -> None:
 def test_a_value_in_pieces_is_a_cut_with_extents() -> None:
     """A value in pieces is one segment cut into equal pieces (the cut a parameter in pieces has): its count is read
     from the cuts, it prints as before, and the same pieces over a dim of another size are another value."""
-    from tpcompile.placement import Shard, param_cut
+    from tpcompile.placement import param_cut
     from tpcompile.sharding_rules.shared_pieces import piece_resized, same_pieces, whole_piece
     p = piece_shard(1, 8, 2)
     assert (p.segments, p.cuts, p.pieces, str(p)) == ((8,), ((0, 4, 8),), 2, "S(1/2)")
@@ -93,7 +94,7 @@ def test_a_rules_pieces_take_the_extents_of_the_tensor_they_are_for() -> None:
     import torch
     from torch.fx import Graph
 
-    from tpcompile.placement import REPLICATE, Shard
+    from tpcompile.placement import REPLICATE
     from tpcompile.sharding_rules.conform import conformed
     from tpcompile.sharding_rules.shared_pieces import piece_resized
     from tpcompile.sharding_rules.rule_context import Result, Want
@@ -136,11 +137,6 @@ def test_repetitions_and_the_next_dims_cut_are_part_of_the_value() -> None:
     """A dim of batch x heads (`outer`, a run-time size) is the heads' layout repeated: the layout of one block, the
     count, and the dim's size on a rank; with a known count, the repetitions spelled out as segments hold the same;
     the next dim's cut within the pieces is the value's too, the i-th rank of each piece's run holding piece i."""
-    import sympy
-
-    from tpcompile.layouts import block_of
-    from tpcompile.placement import Shard
-
     b = sympy.Symbol("s0", positive=True, integer=True)
     p = Shard(0, cuts=pad_cuts(8, 4), outer=b)  # 5 heads zero-padded to 8 at 4 ranks, in each of b blocks
     layout = dim_layout(p, 5 * b, 4)
